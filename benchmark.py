@@ -1,0 +1,708 @@
+"""The speedup table: one row per optimisation, each adding its change to the row above.
+
+    python benchmark.py                        # the ladder for ddpm-cifar10 on this GPU
+    python benchmark.py --preset small         # the ~9M UNet of the reference table
+    python benchmark.py --profile              # torch.profiler trace + top ops of the best row
+    python benchmark.py --sweep batch          # or workers | amp | compile, with a plot
+    python benchmark.py --loader-only          # images/s each data path delivers
+    python benchmark.py --device cpu --preset tiny --quick   # the CPU smoke run the tests use
+
+An iteration is what train.py runs per step: data, forward, backward, gradient clipping,
+Adam step and EMA update. Times are the median over many iterations after warm-up, from a
+chain of CUDA events (so that host stalls, such as waiting for data, are counted).
+Compilation is timed separately and kept out of the throughput.
+"""
+import dataclasses
+import datetime
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass
+
+import torch
+
+import data
+import train
+from train import flag
+from model import A100_PEAK_TFLOPS, UNet, count_flops, count_params, count_torchinfo_flops, gpu_peak_key, peak_tflops
+
+
+@dataclass
+class BenchConfig:
+    preset: str = flag('ddpm-cifar10', 'UNet preset (small is the ~9M UNet of the reference table)')
+    image_size: int = flag(32, 'image resolution')
+    dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10 or shapes',
+                         choices=('auto', 'cifar10', 'shapes'))
+    data_dir: str = flag('./data', 'where CIFAR-10 is looked for')
+    num_images: int = flag(50000, 'images in the shapes set (CIFAR-10 has 50000)')
+    device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
+    batch_size: int = flag(128, 'batch size of the baseline row (the paper\'s)')
+    big_batch: int = flag(512, 'batch size from the "scale up batch size" row on')
+    amp_dtype: str = flag('bf16', 'precision of the mixed-precision rows', choices=('bf16', 'fp16'))
+    num_workers: int = flag(4, 'DataLoader workers of the torch-loader rows')
+    warmup: int = flag(10, 'untimed iterations after the first (compiling) one')
+    iters: int = flag(50, 'timed iterations per row; the median is reported')
+    rows: str = flag('', 'comma-separated substrings: run only the rows whose names contain one')
+    peer: bool = flag(True, "time diffusers' UNet2DModel of the same architecture, where installed")
+    peak_tflops: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the mixed-precision rows (overrides the table)')
+    peak_tflops_fp32: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the fp32/TF32 rows (overrides the table)')
+    quick: bool = flag(False, 'a smoke run: few iterations, small batches; on CPU torch.compile uses '
+                               'the aot_eager backend (inductor\'s C++ build takes minutes per graph)')
+    profile: bool = flag(False, 'profile the best row: Chrome/Perfetto trace, top ops table and chart')
+    sweep: str = flag('', 'sweep one setting around the best row, with a plot',
+                       choices=('', 'batch', 'workers', 'amp', 'compile'))
+    loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
+    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    seed: int = flag(0, 'seed')
+
+
+@dataclass
+class Row:
+    """One rung of the ladder: the train.py settings it runs with."""
+    name: str
+    batch_size: int
+    attention: str = 'manual'
+    compile: bool = False
+    compile_mode: str = 'default'
+    amp: str = 'off'
+    channels_last: bool = False
+    fused_adam: bool = False
+    loader: str = 'torch'
+    num_workers: typing.Optional[int] = None  # None: --num-workers
+
+
+def ladder(bench: BenchConfig, device: torch.device) -> list:
+    """The reference table's rows, then ours; each row changes one thing."""
+    amp = bench.amp_dtype
+    rows = [Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)]
+
+    def add(name, **change):
+        rows.append(dataclasses.replace(rows[-1], name=name, **change))
+    add(f'Scale up batch size ({bench.big_batch})', batch_size=bench.big_batch)
+    add('torch.compile', compile=True)
+    add('PyTorch SDPA', attention='sdpa')
+    add(f'Mixed precision ({amp})', amp=amp)
+    add('Channels-last', channels_last=True)
+    add('Fused Adam', fused_adam=True)
+    add('FFCV data loading', loader='ffcv')
+    add('GPU-resident data' if device.type == 'cuda' else 'Device-resident data (gpu loader, in RAM)', loader='gpu')
+    add('compile max-autotune (no CUDA graphs)', compile_mode='max-autotune-no-cudagraphs')
+    add('compile max-autotune + CUDA graphs', compile_mode='max-autotune')
+    return rows
+
+
+def skip_reason(row: Row, device: torch.device) -> typing.Optional[str]:
+    if row.loader == 'ffcv':
+        return data.ffcv_missing_reason()
+    if row.amp == 'fp16' and device.type != 'cuda':
+        return 'fp16 training needs CUDA'
+    if row.compile_mode != 'default' and device.type != 'cuda':
+        return 'compile modes other than default target CUDA (autotuning, CUDA graphs)'
+    return None
+
+
+# ----------------------------------------------------------------------------- timing
+
+def row_train_config(row: Row, bench: BenchConfig, device: torch.device, dataset_name: str) -> train.TrainConfig:
+    cfg = train.TrainConfig(preset=bench.preset, dataset=dataset_name, data_dir=bench.data_dir,
+                            image_size=bench.image_size, batch_size=row.batch_size, attention=row.attention,
+                            compile=row.compile, compile_mode=row.compile_mode, amp=row.amp,
+                            channels_last=row.channels_last, fused_adam=row.fused_adam, loader=row.loader,
+                            num_workers=bench.num_workers if row.num_workers is None else row.num_workers,
+                            seed=bench.seed, device=str(device))
+    return train.resolve_defaults(cfg, device)
+
+
+class Clock:
+    """Marks on the device's timeline: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == 'cuda'
+        self.marks = []
+
+    def mark(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def intervals_ms(self) -> list:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
+
+
+def synchronize(device: torch.device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def time_training(run: train.Run, bench: BenchConfig) -> dict:
+    """Compile time (first iteration), then the median ms of `iters` iterations after warm-up."""
+    device = run.device
+    stream = train.batches(run, 0)
+    start = time.perf_counter()
+    train.train_step(run, next(stream), 0)
+    synchronize(device)
+    compile_s = time.perf_counter() - start
+    for step in range(1, bench.warmup + 1):
+        train.train_step(run, next(stream), step)
+    synchronize(device)
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    clock = Clock(device)
+    clock.mark()
+    for step in range(bench.warmup + 1, bench.warmup + 1 + bench.iters):
+        train.train_step(run, next(stream), step)  # the loss stays on the device: no sync
+        clock.mark()
+    intervals = clock.intervals_ms()
+    return {'ms_per_iter': statistics.median(intervals), 'ms_min': min(intervals), 'ms_max': max(intervals),
+            'compile_s': compile_s,
+            'peak_mem_gb': torch.cuda.max_memory_allocated(device) / 1e9 if device.type == 'cuda' else None}
+
+
+def release(device: torch.device):
+    torch._dynamo.reset()
+    if device.type == 'cuda':
+        torch.cuda.empty_cache()
+
+
+def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None) -> train.Run:
+    run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)
+    if row_cfg.compile and device.type == 'cpu' and bench.quick:
+        run.net = torch.compile(run.model, backend='aot_eager')
+    return run
+
+
+def precision_of(row_cfg: train.TrainConfig, device: torch.device) -> str:
+    return train.precision_name(row_cfg, device)
+
+
+def peak_for(precision: str, device: torch.device, bench: BenchConfig):
+    """The dense peak the MFU is computed against: the override, the table, or None (n/a)."""
+    override = bench.peak_tflops_fp32 if precision in ('fp32', 'tf32') else bench.peak_tflops
+    if override:
+        return override
+    if device.type != 'cuda':
+        return None
+    return peak_tflops(torch.cuda.get_device_name(device), precision)
+
+
+def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
+    """Adds throughput, TFLOP/s and MFU (device peak and A100 peak) to a timing."""
+    precision = precision_of(row_cfg, device)
+    img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
+    tflops = img_per_s * flops['train'] / 1e12
+    peak = peak_for(precision, device, bench)
+    a100_peak = A100_PEAK_TFLOPS['fp32'] if precision in ('fp32', 'tf32') else A100_PEAK_TFLOPS[precision]
+    return {**result, 'precision': precision, 'img_per_s': img_per_s, 'tflops': tflops,
+            'tflops_torchinfo': img_per_s * flops['torchinfo_train'] / 1e12,
+            'mfu': tflops / peak if peak else None, 'peak_tflops': peak, 'mfu_a100': tflops / a100_peak}
+
+
+def run_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
+    entry = {'name': row.name, 'batch_size': row.batch_size, 'settings': asdict(row)}
+    reason = skip_reason(row, device)
+    if reason:
+        return {**entry, 'skipped': reason}
+    row_cfg = row_train_config(row, bench, device, dataset_name)
+    try:
+        run = build_row_run(row_cfg, bench, device, dataset, make_model)
+        result = describe(time_training(run, bench), row_cfg, bench, device, flops)
+    except torch.cuda.OutOfMemoryError as error:
+        return {**entry, 'skipped': f'out of memory: {str(error).splitlines()[0]}'}
+    finally:
+        run = None
+        release(device)
+    if row_cfg.compile and device.type == 'cpu' and bench.quick:
+        result['note'] = 'torch.compile with backend=aot_eager (--quick on CPU)'
+    return {**entry, **result}
+
+
+def add_speedups(rows: list):
+    baseline = next((r for r in rows if 'ms_per_iter' in r), None)
+    for r in rows:
+        if baseline and 'img_per_s' in r:
+            r['speedup'] = r['img_per_s'] / baseline['img_per_s']
+
+
+# ----------------------------------------------------------------------------- the peer
+
+class DiffusersUNet(torch.nn.Module):
+    """diffusers' UNet2DModel built with our preset's architecture, called as model(x, t)."""
+
+    def __init__(self, config):
+        super().__init__()
+        from diffusers import UNet2DModel
+        levels = range(len(config.channel_mults))
+        has_attn = [config.image_size // 2 ** i in config.attn_resolutions for i in levels]
+        channels = tuple(config.base_channels * m for m in config.channel_mults)
+        self.config = config
+        self.unet = UNet2DModel(
+            sample_size=config.image_size, in_channels=config.in_channels, out_channels=config.in_channels,
+            block_out_channels=channels, layers_per_block=config.blocks_per_level,
+            down_block_types=tuple('AttnDownBlock2D' if a else 'DownBlock2D' for a in has_attn),
+            up_block_types=tuple('AttnUpBlock2D' if a else 'UpBlock2D' for a in reversed(has_attn)),
+            attention_head_dim=None if config.num_heads == 1 else channels[has_attn.index(True)] // config.num_heads,
+            norm_num_groups=config.norm_groups, dropout=config.dropout, flip_sin_to_cos=False, freq_shift=1,
+            time_embedding_type='positional', act_fn='silu')
+
+    def forward(self, x, t):
+        return self.unet(x, t).sample
+
+
+def diffusers_missing_reason() -> typing.Optional[str]:
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        return 'diffusers is not installed (pip install diffusers)'
+    return None
+
+
+def run_peer(best: Row, bench, device, dataset, dataset_name, flops) -> dict:
+    """diffusers under the settings of our fastest row (compile, precision, channels-last, fused
+    Adam, data path, batch); its attention is its own default, SDPA."""
+    reason = diffusers_missing_reason()
+    if reason:
+        return {'name': 'diffusers UNet2DModel', 'skipped': reason}
+    row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', attention='sdpa')
+    result = run_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)
+    from diffusers import __version__ as version
+    result['diffusers'] = version
+    return result
+
+
+# ----------------------------------------------------------------------------- outputs
+
+def device_slug(device: torch.device) -> str:
+    if device.type != 'cuda':
+        return 'cpu'
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r'[^a-z0-9]+', '-', (gpu_peak_key(name) or name).lower()).strip('-')
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({os.cpu_count()} cores)'
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=here, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=here,
+                               capture_output=True, text=True).stdout.strip()
+        return commit + ('-dirty' if dirty else '')
+    except (OSError, subprocess.CalledProcessError):
+        return 'unknown'
+
+
+def header(bench: BenchConfig, device: torch.device, flops: dict, dataset_name: str) -> dict:
+    return {'device': device_name(device), 'torch': torch.__version__,
+            'cuda': torch.version.cuda if device.type == 'cuda' else None,
+            'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+            'commit': git_commit(), 'command': 'python ' + ' '.join(sys.argv),
+            'preset': bench.preset, 'image_size': bench.image_size, 'dataset': dataset_name,
+            'tf32_convs': torch.backends.cudnn.allow_tf32, 'tf32_matmul': torch.backends.cuda.matmul.allow_tf32,
+            'flops_per_image': flops, 'config': asdict(bench)}
+
+
+def fmt(value, spec: str, missing: str = 'n/a') -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown_table(rows: list, peer: typing.Optional[dict]) -> str:
+    lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup | Peak mem (GB) |',
+             '| :- | -: | :- | -: | -: | -: | -: | -: | -: | -: |']
+    for r in rows + ([peer] if peer else []):
+        if 'skipped' in r:
+            lines.append(f"| {r['name']} | {r.get('batch_size', '')} | skipped: {r['skipped']} | | | | | | | |")
+            continue
+        precision = {'tf32': 'fp32 (TF32 convs)'}.get(r['precision'], r['precision'])
+        lines.append(f"| {r['name']} | {r['batch_size']} | {precision} | {r['ms_per_iter']:.2f} | "
+                     f"{r['img_per_s']:,.0f} | {r['tflops']:.2f} | {fmt(r['mfu'], '.1%')} | "
+                     f"{r['mfu_a100']:.1%} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} | "
+                     f"{fmt(r['peak_mem_gb'], '.2f')} |")
+    return '\n'.join(lines)
+
+
+def summary_lines(meta: dict, rows: list, peer) -> str:
+    flops = meta['flops_per_image']
+    lines = [f"{meta['preset']} at {meta['image_size']}x{meta['image_size']} on {meta['device']}, "
+             f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}",
+             f"FLOPs per image, forward+backward: {flops['train'] / 1e9:.2f} GFLOP ({flops['method']}); "
+             f"torchinfo MACs x 2 x 3: {flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, "
+             f"no attention). TFLOP/s and MFU below use the first.",
+             f"Command: {meta['command']}"]
+    measured = [r for r in rows if 'img_per_s' in r]
+    if peer and 'img_per_s' in peer and measured:
+        best = max(measured, key=lambda r: r['img_per_s'])
+        lines.append(f"Our best row ({best['name']}) runs at {best['img_per_s'] / peer['img_per_s']:.2f}x "
+                     f"the throughput of diffusers {peer.get('diffusers', '')} UNet2DModel under the same settings.")
+    return '\n'.join(lines)
+
+
+def bar_chart(rows: list, peer, title: str, path: str):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    measured = [r for r in rows if 'img_per_s' in r] + ([peer] if peer and 'img_per_s' in peer else [])
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(measured) + 1.5))
+    names = [r['name'] for r in measured][::-1]
+    values = [r['img_per_s'] for r in measured][::-1]
+    colours = ['tab:gray' if r is peer else 'tab:blue' for r in measured][::-1]
+    bars = ax.barh(names, values, color=colours)
+    for bar, r in zip(bars, measured[::-1]):
+        label = f" {r['img_per_s']:,.0f} img/s" + (f"  ({r['speedup']:.2f}x)" if r.get('speedup') else '')
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va='center', fontsize=8)
+    ax.set_xlabel('training images per second (higher is better)')
+    ax.set_xlim(0, max(values) * 1.35 if values else 1)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig) -> dict:
+    os.makedirs(bench.out_dir, exist_ok=True)
+    measured = [r for r in rows if 'img_per_s' in r]
+    best = max(measured, key=lambda r: r['img_per_s']) if measured else None
+    if peer is not None and 'img_per_s' in peer and best:
+        peer = {**peer, 'ratio': best['img_per_s'] / peer['img_per_s']}
+    result = {**meta, 'rows': rows, 'peer': peer}
+    paths = {ext: os.path.join(bench.out_dir, f'{stem}.{ext}') for ext in ('json', 'md', 'png')}
+    with open(paths['json'], 'w') as f:
+        json.dump(result, f, indent=1)
+    table = markdown_table(rows, peer)
+    with open(paths['md'], 'w') as f:
+        f.write(f"# Training speed: {meta['preset']} on {meta['device']}\n\n{summary_lines(meta, rows, peer)}\n\n{table}\n")
+    bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", paths['png'])
+    print(table)
+    print(summary_lines(meta, rows, peer))
+    print('wrote ' + ', '.join(paths.values()))
+    return result
+
+
+# ----------------------------------------------------------------------------- modes
+
+def prepare(bench: BenchConfig):
+    device = train.pick_device(bench.device, 0)
+    if bench.quick:
+        bench = dataclasses.replace(bench, warmup=min(bench.warmup, 1), iters=min(bench.iters, 3),
+                                    batch_size=min(bench.batch_size, 4), big_batch=min(bench.big_batch, 8),
+                                    num_images=min(bench.num_images, 256), num_workers=min(bench.num_workers, 2))
+        if device.type == 'cpu':
+            bench = dataclasses.replace(bench, image_size=min(bench.image_size, 16))
+    dataset_name, dataset = load_data(bench)
+    config = train.model_config_of(row_train_config(Row('probe', bench.batch_size), bench, device, dataset_name))
+    flops = count_flops(config, bench.image_size)
+    torchinfo = count_torchinfo_flops(config, bench.image_size)
+    flops.update(torchinfo_forward=torchinfo['forward'], torchinfo_train=torchinfo['train'],
+                 torchinfo_method=torchinfo['method'], params=count_params(UNet(config)))
+    return bench, device, dataset_name, dataset, flops
+
+
+def load_data(bench: BenchConfig):
+    """CIFAR-10 where it is on disk; otherwise shapes of the same size and shape (the step's
+    speed does not depend on what the pixels show)."""
+    if bench.dataset in ('auto', 'cifar10'):
+        try:
+            return 'cifar10', data.ImageTensorDataset(data.resize_images(
+                data.load_cifar10(bench.data_dir, train=True, download=False), bench.image_size))
+        except data.DataError:
+            if bench.dataset == 'cifar10':
+                raise
+    return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
+
+
+def run_ladder(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, dataset, flops = prepare(bench)
+    rows = [r for r in ladder(bench, device)
+            if not bench.rows or any(s.strip().lower() in r.name.lower() for s in bench.rows.split(','))]
+    results = []
+    for row in rows:
+        print(f'[{len(results) + 1}/{len(rows)}] {row.name} ...', flush=True)
+        results.append(run_row(row, bench, device, dataset, dataset_name, flops))
+    add_speedups(results)
+    measured = [(row, r) for row, r in zip(rows, results) if 'img_per_s' in r]
+    peer = None
+    if bench.peer and measured:
+        best_row = max(measured, key=lambda pair: pair[1]['img_per_s'])[0]
+        print('peer: diffusers UNet2DModel ...', flush=True)
+        peer = run_peer(best_row, bench, device, dataset, dataset_name, flops)
+        add_speedups([results[0], peer])
+    meta = header(bench, device, flops, dataset_name)
+    return write_outputs(f'{device_slug(device)}-{bench.preset}', meta, results, peer, bench)
+
+
+def best_runnable_row(bench: BenchConfig, device: torch.device) -> Row:
+    """The last ladder row that can run here (it holds every change above it)."""
+    return [r for r in ladder(bench, device) if not skip_reason(r, device)][-1]
+
+
+# Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
+# its multi-tensor kernels are also elementwise.
+CATEGORIES = [
+    ('optimizer', r'adam|multi_tensor|foreach|lerp|clip_grad|vector_norm|_amp_'),
+    ('attention', r'flash|fmha|attention|sdpa|softmax|bmm'),
+    ('norm', r'norm|welford'),
+    ('conv / matmul', r'conv|cudnn|implicit|xmma|cutlass|gemm|winograd|dgrad|wgrad|fprop|mm\b|addmm|matmul|sm\d\d_'),
+    ('elementwise', r'elementwise|vectorized|triton_|silu|add|mul|copy|fill|cat|where|index|gather|reduce|'
+                    r'sum|mean|div|sub|pow|exp|clamp|flip|unrolled'),
+]
+
+
+def categorise(name: str) -> str:
+    lowered = name.lower()
+    return next((category for category, pattern in CATEGORIES if re.search(pattern, lowered)), 'other')
+
+
+def profile_rows(prof, device: torch.device) -> list:
+    """Per op (CPU) or kernel (CUDA): self time in ms per iteration, with its category."""
+    cuda = device.type == 'cuda'
+    rows = []
+    for event in prof.key_averages():
+        if cuda:
+            if str(event.device_type) != 'DeviceType.CUDA':
+                continue  # CPU ops that launch kernels: their kernels are counted instead
+            self_us = event.self_device_time_total
+        else:
+            self_us = event.self_cpu_time_total
+        if self_us > 0:
+            rows.append({'name': event.key, 'category': categorise(event.key), 'calls': event.count,
+                         'self_us': self_us})
+    return sorted(rows, key=lambda r: -r['self_us'])
+
+
+def profile_best_row(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, dataset, flops = prepare(bench)
+    row = best_runnable_row(bench, device)
+    row_cfg = row_train_config(row, bench, device, dataset_name)
+    run = build_row_run(row_cfg, bench, device, dataset)
+    stream = train.batches(run, 0)
+    for step in range(3):  # compile and warm up outside the profile
+        train.train_step(run, next(stream), step)
+    synchronize(device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    active = 3 if bench.quick else 10
+    with torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=2, active=active)) as prof:
+        for step in range(3, 3 + 3 + active):
+            train.train_step(run, next(stream), step)
+            prof.step()
+        synchronize(device)
+    stem = f'{device_slug(device)}-{bench.preset}-profile'
+    os.makedirs(os.path.join(bench.out_dir, 'traces'), exist_ok=True)
+    trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
+    prof.export_chrome_trace(trace)
+    ops = profile_rows(prof, device)
+    for op in ops:
+        op['ms_per_iter'] = op['self_us'] / 1e3 / active
+    total = sum(op['ms_per_iter'] for op in ops)
+    categories = {}
+    for op in ops:
+        categories[op['category']] = categories.get(op['category'], 0.0) + op['ms_per_iter']
+    meta = header(bench, device, flops, dataset_name)
+    result = {**meta, 'row': row.name, 'settings': asdict(row), 'trace': trace, 'active_iterations': active,
+              'total_ms_per_iter': total, 'categories': categories, 'top_ops': ops[:40]}
+    write_profile_outputs(stem, result, bench)
+    return result
+
+
+def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
+    total = result['total_ms_per_iter'] or 1.0
+    lines = [f"# Profile: {result['preset']}, {result['row']}, on {result['device']}", '',
+             f"torch {result['torch']}, {result['date']}, commit {result['commit']}; self time per iteration "
+             f"({'kernels' if 'cpu' not in stem else 'CPU ops'}), mean of {result['active_iterations']} profiled "
+             f"iterations. Trace for chrome://tracing or ui.perfetto.dev: `{result['trace']}`.", '',
+             f"Command: {result['command']}", '', '| Category | ms/iter | share |', '| :- | -: | -: |']
+    for category, ms in sorted(result['categories'].items(), key=lambda kv: -kv[1]):
+        lines.append(f'| {category} | {ms:.3f} | {ms / total:.1%} |')
+    lines += ['', '| Op / kernel | Category | calls | ms/iter | share |', '| :- | :- | -: | -: | -: |']
+    for op in result['top_ops'][:25]:
+        name = op['name'] if len(op['name']) < 90 else op['name'][:87] + '...'
+        lines.append(f"| `{name}` | {op['category']} | {op['calls']} | {op['ms_per_iter']:.3f} | "
+                     f"{op['ms_per_iter'] / total:.1%} |")
+    table = '\n'.join(lines)
+    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
+        f.write(table + '\n')
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [1, 2]})
+    cats = sorted(result['categories'].items(), key=lambda kv: kv[1])
+    left.barh([c for c, _ in cats], [ms for _, ms in cats], color='tab:blue')
+    left.set_xlabel('ms per iteration')
+    left.set_title('by category', fontsize=9)
+    top = result['top_ops'][:15][::-1]
+    right.barh([o['name'][:50] for o in top], [o['ms_per_iter'] for o in top], color='tab:orange')
+    right.tick_params(axis='y', labelsize=7)
+    right.set_xlabel('ms per iteration')
+    right.set_title('top ops / kernels (self time)', fontsize=9)
+    fig.suptitle(f"{result['preset']}, {result['row']}, {result['device']}, torch {result['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(os.path.join(bench.out_dir, f'{stem}.png'), dpi=110)
+    plt.close(fig)
+    print(table)
+
+
+def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -> list:
+    """Variants of the best row along one setting."""
+    cuda = device.type == 'cuda'
+    if kind == 'batch':
+        sizes = [4, 8, 16] if bench.quick else [64, 128, 256, 512, 1024, 2048, 4096]
+        return [dataclasses.replace(best, name=f'batch {b}', batch_size=b) for b in sizes]
+    if kind == 'workers':
+        counts = [0, 2] if bench.quick else [0, 2, 4, 8]
+        return [dataclasses.replace(best, name=f'torch loader, {n} workers', loader='torch', num_workers=n)
+                for n in counts]
+    if kind == 'amp':
+        precisions = ['off', 'bf16'] + (['fp16'] if cuda else [])
+        return [dataclasses.replace(best, name=f'amp {p}', amp=p) for p in precisions]
+    modes = ['default'] + (['max-autotune-no-cudagraphs', 'reduce-overhead', 'max-autotune'] if cuda else [])
+    return [dataclasses.replace(best, name='eager', compile=False)] + [
+        dataclasses.replace(best, name=f'compile {m}', compile=True, compile_mode=m) for m in modes]
+
+
+def run_sweep(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, dataset, flops = prepare(bench)
+    best = best_runnable_row(bench, device)
+    results = []
+    for row in sweep_rows(bench.sweep, best, bench, device):
+        print(f'{row.name} ...', flush=True)
+        results.append(run_row(row, bench, device, dataset, dataset_name, flops))
+    add_speedups(results)  # relative to the sweep's first point
+    meta = header(bench, device, flops, dataset_name)
+    stem = f'{device_slug(device)}-{bench.preset}-sweep-{bench.sweep}'
+    os.makedirs(bench.out_dir, exist_ok=True)
+    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
+        json.dump({**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results}, f, indent=1)
+    table = markdown_table(results, None)
+    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
+        f.write(f"# Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}\n\n"
+                f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\nCommand: {meta['command']}\n\n{table}\n")
+    sweep_plot(results, bench.sweep, meta, os.path.join(bench.out_dir, f'{stem}.png'))
+    print(table)
+    return {**meta, 'rows': results}
+
+
+def sweep_plot(results: list, kind: str, meta: dict, path: str):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    measured = [r for r in results if 'img_per_s' in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    labels = [str(r['batch_size']) if kind == 'batch' else r['name'] for r in measured]
+    ax.plot(labels, [r['img_per_s'] for r in measured], 'o-', color='tab:blue')
+    ax.set_ylabel('training img/s', color='tab:blue')
+    ax.set_xlabel('batch size' if kind == 'batch' else kind)
+    if any(r.get('mfu') for r in measured):
+        twin = ax.twinx()
+        twin.plot(labels, [100 * (r['mfu'] or 0) for r in measured], 's--', color='tab:orange')
+        twin.set_ylabel('MFU (%)', color='tab:orange')
+    ax.tick_params(axis='x', labelrotation=20, labelsize=8)
+    ax.set_title(f"{meta['preset']}: sweep of {kind}, {meta['device']}, torch {meta['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def time_loader(loader, batches: int, device: torch.device) -> float:
+    """Images per second a loader delivers to the device (the batch is consumed on the device)."""
+    stream = (x for epoch in range(10 ** 6) for x in loader.epoch(epoch))
+    checksum = torch.zeros((), device=device)
+    for _ in range(2):
+        checksum += next(stream).sum()  # warm-up: worker start, first epoch's order
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(batches):
+        checksum += next(stream)[:, :, 0, 0].sum()  # touch the batch on the device, cheaply
+    synchronize(device)
+    return batches * loader.batch_size / (time.perf_counter() - start)
+
+
+def run_loader_only(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, dataset, flops = prepare(bench)
+    best = best_runnable_row(bench, device)
+    batch, batches = best.batch_size, (5 if bench.quick else 100)
+    paths = [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', None), ('ffcv', None)]
+    results = []
+    for kind, workers in paths:
+        name = f'torch DataLoader, {workers} workers' if kind == 'torch' else {'gpu': 'gpu (device-resident)', 'ffcv': 'FFCV'}[kind]
+        print(f'{name} ...', flush=True)
+        reason = data.ffcv_missing_reason() if kind == 'ffcv' else None
+        if reason:
+            results.append({'name': name, 'skipped': reason})
+            continue
+        loader = data.make_loader(kind, dataset, batch, bench.seed, device, workers or 0, progress=False)
+        results.append({'name': name, 'loader': kind, 'num_workers': workers,
+                        'img_per_s': time_loader(loader, batches, device)})
+        del loader
+    consumption = run_row(best, bench, device, dataset, dataset_name, flops)
+    meta = header(bench, device, flops, dataset_name)
+    result = {**meta, 'batch_size': batch, 'step_row': best.name, 'step_img_per_s': consumption.get('img_per_s'),
+              'loaders': results}
+    stem = f'{device_slug(device)}-{bench.preset}-loaders'
+    lines = [f"# Data paths: images/s delivered to {meta['device']} ({dataset_name}, batch {batch})", '',
+             f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}; the training step "
+             f"('{best.name}') consumes {fmt(result['step_img_per_s'], ',.0f')} img/s.", '',
+             f"Command: {meta['command']}", '', '| Loader | img/s | x the step\'s consumption |', '| :- | -: | -: |']
+    for r in results:
+        if 'skipped' in r:
+            lines.append(f"| {r['name']} | skipped: {r['skipped']} | |")
+        else:
+            ratio = r['img_per_s'] / result['step_img_per_s'] if result['step_img_per_s'] else None
+            lines.append(f"| {r['name']} | {r['img_per_s']:,.0f} | {fmt(ratio, '.1f')} |")
+    table = '\n'.join(lines)
+    os.makedirs(bench.out_dir, exist_ok=True)
+    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
+        f.write(table + '\n')
+    loader_plot(result, os.path.join(bench.out_dir, f'{stem}.png'))
+    print(table)
+    return result
+
+
+def loader_plot(result: dict, path: str):
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    measured = [r for r in result['loaders'] if 'img_per_s' in r]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(measured) + 1.5))
+    ax.barh([r['name'] for r in measured][::-1], [r['img_per_s'] for r in measured][::-1], color='tab:green')
+    if result['step_img_per_s']:
+        ax.axvline(result['step_img_per_s'], color='tab:red', linestyle='--', label='training step consumes')
+        ax.axvline(2 * result['step_img_per_s'], color='tab:red', linestyle=':', label='2x the step (target)')
+        ax.legend(fontsize=8)
+    ax.set_xscale('log')
+    ax.set_xlabel('images per second delivered (log scale)')
+    ax.set_title(f"data paths, {result['preset']}, {result['device']}, torch {result['torch']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    bench = BenchConfig(**vars(train.build_parser(BenchConfig, __doc__).parse_args(argv)))
+    torch.manual_seed(bench.seed)
+    if bench.profile:
+        return profile_best_row(bench)
+    if bench.sweep:
+        return run_sweep(bench)
+    if bench.loader_only:
+        return run_loader_only(bench)
+    return run_ladder(bench)
+
+
+if __name__ == '__main__':
+    main()

@@ -1,0 +1,328 @@
+"""Data sets and loaders. Every loader yields float images in [-1, 1] on the device.
+
+Data sets hold uint8 images (N, 3, H, W): `cifar10` (torchvision), `folder` (any tree of
+PNG/JPEG files) and `shapes` (procedural, no download). Loaders: `gpu` keeps the whole
+uint8 set on the device and gathers, flips and converts each batch there, with no host
+work per step; `torch` is a DataLoader with workers and pinned memory; `ffcv` reads a
+.beton file (optional). The order of each epoch (a permutation and a flip per image) is a
+function of (seed, epoch) alone, the same for every loader, so that a resumed run sees
+exactly the batches an uninterrupted one would have.
+"""
+import os
+import socket
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Dataset
+from tqdm import tqdm
+
+IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
+DATASETS = ('cifar10', 'folder', 'shapes')
+LOADERS = ('auto', 'gpu', 'torch', 'ffcv')
+SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own stream
+
+
+class DataError(Exception):
+    """Bad or missing input data; train.py prints the message as one line and exits 2."""
+
+
+# ----------------------------------------------------------------------------- data sets
+
+class ImageTensorDataset(Dataset):
+    """An in-memory uint8 image set: `images` is (N, 3, H, W)."""
+
+    def __init__(self, images: torch.Tensor):
+        self.images = images
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, index):
+        return self.images[index]
+
+
+class ImageFolderDataset(Dataset):
+    """Every PNG/JPEG under a folder, decoded lazily, converted to RGB, resized (shorter side)
+    and centre-cropped to image_size. Grayscale, RGBA and odd sizes are converted."""
+
+    def __init__(self, root: str, image_size: int):
+        from torchvision import transforms
+        self.paths = list_image_files(root)
+        self.image_size = image_size
+        self.transform = transforms.Compose([
+            transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BICUBIC, antialias=True),
+            transforms.CenterCrop(image_size),
+            transforms.PILToTensor(),
+        ])
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        return self.transform(open_rgb(self.paths[index]))
+
+    def to_tensor(self, progress: bool = True) -> torch.Tensor:
+        """Decodes every file into one (N, 3, S, S) uint8 tensor."""
+        images = torch.empty(len(self), 3, self.image_size, self.image_size, dtype=torch.uint8)
+        for i in tqdm(range(len(self)), desc='decoding images', disable=not progress, leave=False):
+            images[i] = self[i]
+        return images
+
+
+def list_image_files(root: str) -> list:
+    if not os.path.isdir(root):
+        raise DataError(f'image folder {root!r} does not exist: pass --data-dir DIR with PNG/JPEG files in it')
+    paths = sorted(os.path.join(dirpath, name) for dirpath, _, names in os.walk(root)
+                   for name in names if name.lower().endswith(IMAGE_EXTENSIONS))
+    if not paths:
+        raise DataError(f'no PNG or JPEG files under {root!r}')
+    return paths
+
+
+def open_rgb(path: str):
+    from PIL import Image
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert('RGB')
+    except Exception as error:  # PIL raises several types for unreadable files
+        raise DataError(f'cannot read image {path!r}: {error}') from None
+
+
+def check_image_headers(paths: list):
+    """Opens every file's header (cheap), so a non-image is reported before training starts."""
+    from PIL import Image
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.verify()
+        except Exception as error:
+            raise DataError(f'cannot read image {path!r}: {error}') from None
+
+
+def resize_images(images: torch.Tensor, image_size: int) -> torch.Tensor:
+    if images.shape[-1] == image_size and images.shape[-2] == image_size:
+        return images
+    resized = F.interpolate(images.float(), size=(image_size, image_size), mode='bicubic', antialias=True)
+    return resized.round().clamp(0, 255).to(torch.uint8)
+
+
+def load_cifar10(data_dir: str, train: bool, download: bool = True) -> torch.Tensor:
+    """CIFAR-10 through torchvision, as (N, 3, 32, 32) uint8; downloads into data_dir if it
+    is missing, and says what to pass instead when that is impossible (offline)."""
+    from torchvision.datasets import CIFAR10
+    try:
+        return _cifar10_images(CIFAR10(data_dir, train=train, download=False))
+    except RuntimeError:
+        pass  # not there (or corrupt): try the download
+    hint = (f"put the python version of CIFAR-10 (cifar-10-batches-py/ from "
+            f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz) under {data_dir!r} or pass "
+            f"--data-dir to where it is; or train without it: --dataset shapes, or --dataset folder --data-dir DIR")
+    if not download:
+        raise DataError(f'CIFAR-10 not found in {data_dir!r}: {hint}')
+    previous_timeout = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(20)
+    try:
+        dataset = CIFAR10(data_dir, train=train, download=True)
+    except Exception as error:
+        raise DataError(f'CIFAR-10 not found in {data_dir!r} and the download failed ({type(error).__name__}: '
+                        f'{error}): {hint}') from None
+    finally:
+        socket.setdefaulttimeout(previous_timeout)
+    return _cifar10_images(dataset)
+
+
+def _cifar10_images(dataset) -> torch.Tensor:
+    return torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+
+
+def make_shapes(count: int, image_size: int = 32, seed: int = 0) -> torch.Tensor:
+    """Procedural images: a two-colour gradient background with one to three coloured circles,
+    squares and triangles. Image i depends on (i, image_size, seed) only, so a larger count
+    extends a smaller one. Drawn at twice the size and averaged down, for anti-aliased edges.
+    Returns (count, 3, S, S) uint8."""
+    chunk = 256
+    out = np.empty((count, 3, image_size, image_size), dtype=np.uint8)
+    for start in range(0, count, chunk):
+        n = min(chunk, count - start)
+        out[start:start + n] = _draw_shapes(np.random.default_rng([seed, start // chunk]), chunk, image_size)[:n]
+    return torch.from_numpy(out)
+
+
+def _draw_shapes(rng, n: int, image_size: int) -> np.ndarray:
+    size2 = 2 * image_size
+    coords = ((np.arange(size2) + 0.5) / size2).astype(np.float32)
+    y, x = coords[None, :, None], coords[None, None, :]  # (1, S2, 1), (1, 1, S2)
+    colour = lambda: rng.uniform(0, 1, (n, 3, 1, 1)).astype(np.float32)
+    angle = rng.uniform(0, 2 * np.pi, (n, 1, 1)).astype(np.float32)
+    ramp = (np.cos(angle) * (x - 0.5) + np.sin(angle) * (y - 0.5) + 0.5)[:, None]  # (n, 1, S2, S2)
+    canvas = colour() * (1 - ramp) + colour() * ramp  # (n, 3, S2, S2)
+    num_shapes = rng.integers(1, 4, n)
+    for k in range(3):
+        kind = rng.integers(0, 3, (n, 1, 1))
+        cx, cy = rng.uniform(0.2, 0.8, (2, n, 1, 1)).astype(np.float32)
+        r = rng.uniform(0.12, 0.3, (n, 1, 1)).astype(np.float32)
+        circle = (x - cx) ** 2 + (y - cy) ** 2 < r ** 2
+        square = (np.abs(x - cx) < r * 0.85) & (np.abs(y - cy) < r * 0.85)
+        triangle = (y > cy - r) & (y < cy + r) & (np.abs(x - cx) < (y - (cy - r)) / 2)
+        mask = np.where(kind == 0, circle, np.where(kind == 1, square, triangle)) & (num_shapes > k)[:, None, None]
+        canvas = np.where(mask[:, None], colour(), canvas)
+    small = canvas.reshape(n, 3, image_size, 2, image_size, 2).mean(axis=(3, 5))  # 2x2 box filter
+    return np.round(small * 255).astype(np.uint8)
+
+
+def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 8192) -> Dataset:
+    """The training set: an ImageTensorDataset, or a lazily decoded ImageFolderDataset."""
+    if name == 'cifar10':
+        return ImageTensorDataset(resize_images(load_cifar10(data_dir, train=True), image_size))
+    if name == 'shapes':
+        return ImageTensorDataset(make_shapes(shapes_count, image_size, seed=0))
+    if name == 'folder':
+        dataset = ImageFolderDataset(data_dir, image_size)
+        check_image_headers(dataset.paths)
+        return dataset
+    raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+
+
+def load_heldout(name: str, data_dir: str, image_size: int, count: int) -> torch.Tensor:
+    """A fixed set of images for the held-out loss: CIFAR-10's test split, shapes from another
+    seed, or, for a folder (which has no split), its first `count` files in sorted order."""
+    if name == 'cifar10':
+        return resize_images(load_cifar10(data_dir, train=False)[:count], image_size)
+    if name == 'shapes':
+        return make_shapes(count, image_size, seed=SHAPES_HELDOUT_SEED)
+    dataset = ImageFolderDataset(data_dir, image_size)
+    return torch.stack([dataset[i] for i in range(min(count, len(dataset)))])
+
+
+def dataset_images(dataset: Dataset, progress: bool = True) -> torch.Tensor:
+    """The whole set as one (N, 3, H, W) uint8 tensor (decoding a folder if needed)."""
+    if isinstance(dataset, ImageTensorDataset):
+        return dataset.images
+    return dataset.to_tensor(progress)
+
+
+# ----------------------------------------------------------------------------- order
+
+def epoch_order(num_images: int, seed: int, epoch: int):
+    """The permutation and horizontal flips of one epoch: a function of (seed, epoch) only."""
+    state = np.random.SeedSequence([seed, epoch]).generate_state(1)[0]
+    generator = torch.Generator().manual_seed(int(state))
+    permutation = torch.randperm(num_images, generator=generator)
+    flips = torch.rand(num_images, generator=generator) < 0.5
+    return permutation, flips
+
+
+def to_model_input(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+    """uint8 (B, 3, H, W) and (B,) flip flags -> float32 in [-1, 1], flipped where asked."""
+    images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+    return images.float() / 127.5 - 1.0
+
+
+class Loader:
+    """Batches of one rank: `epoch(e, start)` yields batches start, start+1, ... of epoch e.
+
+    Each rank takes every world_size-th image of the epoch's permutation, and every epoch
+    has num_images // world_size // batch_size full batches (drop-last)."""
+
+    def __init__(self, num_images: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.num_images, self.batch_size, self.seed = num_images, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.batches_per_epoch = num_images // world_size // batch_size
+        if self.batches_per_epoch < 1:
+            raise DataError(f'batch size {batch_size * world_size} is larger than the data set '
+                            f'({num_images} images): pass a smaller --batch-size')
+
+    def shard(self, epoch: int):
+        permutation, flips = epoch_order(self.num_images, self.seed, epoch)
+        used = self.batches_per_epoch * self.batch_size * self.world_size
+        return permutation[self.rank:used:self.world_size], flips[self.rank:used:self.world_size]
+
+
+class GPULoader(Loader):
+    """The whole uint8 set on the device; gather, flip and convert there: no host work per step."""
+
+    def __init__(self, images: torch.Tensor, batch_size: int, seed: int, device, rank=0, world_size=1):
+        super().__init__(len(images), batch_size, seed, rank, world_size)
+        self.images = images.to(device)
+        self.device = device
+
+    def epoch(self, epoch: int, start: int = 0):
+        indices, flips = (t.to(self.device) for t in self.shard(epoch))
+        for b in range(start, self.batches_per_epoch):
+            batch = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            yield to_model_input(self.images[indices[batch]], flips[batch])
+
+
+class _BatchList:
+    """A batch sampler whose batches are set before each epoch; persistent workers keep it."""
+
+    def __init__(self):
+        self.batches = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class TorchLoader(Loader):
+    """A DataLoader (workers, pinned memory, persistent workers) that yields uint8 batches;
+    the conversion to float and the flips happen on the device."""
+
+    def __init__(self, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
+                 rank=0, world_size=1):
+        super().__init__(len(dataset), batch_size, seed, rank, world_size)
+        self.device = torch.device(device)
+        self.batch_list = _BatchList()
+        # Its own generator: the DataLoader draws a worker seed per epoch, which must not move
+        # the global RNG (timesteps, noise, dropout) or a resumed run would drift.
+        self.loader = DataLoader(dataset, batch_sampler=self.batch_list, num_workers=num_workers,
+                                 pin_memory=self.device.type == 'cuda', persistent_workers=num_workers > 0,
+                                 generator=torch.Generator().manual_seed(seed))
+
+    def epoch(self, epoch: int, start: int = 0):
+        indices, flips = self.shard(epoch)
+        flips = flips.to(self.device)
+        self.batch_list.batches = [indices[b * self.batch_size:(b + 1) * self.batch_size].tolist()
+                                   for b in range(start, self.batches_per_epoch)]
+        for b, images in zip(range(start, self.batches_per_epoch), self.loader):
+            yield to_model_input(images.to(self.device, non_blocking=True),
+                                 flips[b * self.batch_size:(b + 1) * self.batch_size])
+
+
+def choose_loader(kind: str, dataset: Dataset, device) -> str:
+    """'auto': the device-resident loader ('gpu') when the uint8 set takes under a quarter of
+    the device's free memory (RAM for the CPU), else the DataLoader."""
+    if kind != 'auto':
+        return kind
+    device = torch.device(device)
+    needed = len(dataset) * dataset[0].numel()
+    if device.type == 'cuda':
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
+    return 'gpu' if needed < free / 4 else 'torch'
+
+
+def ffcv_missing_reason():
+    """None if the FFCV loader can run here, else why not and how to fix it."""
+    try:
+        import ffcv  # noqa: F401
+    except ImportError:
+        return ('ffcv is not installed: apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config; '
+                'pip install -r requirements-ffcv.txt')
+    return 'the FFCV loader is not implemented yet'
+
+
+def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
+                rank: int = 0, world_size: int = 1, progress: bool = True):
+    if kind == 'gpu':
+        return GPULoader(dataset_images(dataset, progress), batch_size, seed, device, rank, world_size)
+    if kind == 'torch':
+        return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size)
+    if kind == 'ffcv':
+        raise DataError(f'--loader ffcv: {ffcv_missing_reason()}')
+    raise DataError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")

@@ -1,0 +1,233 @@
+"""DDPM maths as small functions over a precomputed schedule.
+
+Equation numbers refer to Ho, Jain & Abbeel (2020), "Denoising Diffusion Probabilistic
+Models" unless another paper is named. Tables are computed in float64 and each function
+gathers what it needs for a batch of timesteps and casts it to the images' dtype.
+"""
+import math
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+@dataclass
+class Schedule:
+    betas: torch.Tensor
+    alphas_cumprod: torch.Tensor
+    alphas_cumprod_prev: torch.Tensor
+    sqrt_alphas_cumprod: torch.Tensor
+    sqrt_one_minus_alphas_cumprod: torch.Tensor
+    sqrt_recip_alphas_cumprod: torch.Tensor
+    sqrt_recipm1_alphas_cumprod: torch.Tensor
+    posterior_variance: torch.Tensor
+    posterior_log_variance_clipped: torch.Tensor
+    posterior_mean_coef1: torch.Tensor
+    posterior_mean_coef2: torch.Tensor
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.betas)
+
+    def to(self, device) -> 'Schedule':
+        return Schedule(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def make_betas(num_steps: int = 1000, kind: str = 'linear') -> np.ndarray:
+    """Linear betas from 1e-4 to 0.02 (section 4; the paper uses T=1000), or the cosine
+    schedule of Nichol & Dhariwal (2021, eq. 17)."""
+    if kind == 'linear':
+        return np.linspace(1e-4, 0.02, num_steps, dtype=np.float64)
+    if kind == 'cosine':
+        s = 0.008
+        steps = np.arange(num_steps + 1, dtype=np.float64) / num_steps
+        f = np.cos((steps + s) / (1 + s) * math.pi / 2) ** 2
+        return np.clip(1 - f[1:] / f[:-1], 0, 0.999)
+    raise ValueError(f"unknown schedule {kind!r}: use 'linear' or 'cosine'")
+
+
+def make_schedule(num_steps: int = 1000, kind: str = 'linear') -> Schedule:
+    """Every table the samplers and losses need, in float64 (eqs. 4, 6, 7)."""
+    betas = make_betas(num_steps, kind)
+    alphas_cumprod = np.cumprod(1.0 - betas)
+    alphas_cumprod_prev = np.append(1.0, alphas_cumprod[:-1])
+    posterior_variance = betas * (1.0 - alphas_cumprod_prev) / (1.0 - alphas_cumprod)  # eq. 7
+    tables = dict(
+        betas=betas,
+        alphas_cumprod=alphas_cumprod,
+        alphas_cumprod_prev=alphas_cumprod_prev,
+        sqrt_alphas_cumprod=np.sqrt(alphas_cumprod),
+        sqrt_one_minus_alphas_cumprod=np.sqrt(1.0 - alphas_cumprod),
+        sqrt_recip_alphas_cumprod=np.sqrt(1.0 / alphas_cumprod),
+        sqrt_recipm1_alphas_cumprod=np.sqrt(1.0 / alphas_cumprod - 1),
+        posterior_variance=posterior_variance,
+        # The variance is 0 at t=0; its log is clipped to the t=1 value, as in the paper's code.
+        posterior_log_variance_clipped=np.log(np.append(posterior_variance[1], posterior_variance[1:])),
+        posterior_mean_coef1=betas * np.sqrt(alphas_cumprod_prev) / (1.0 - alphas_cumprod),  # eq. 7
+        posterior_mean_coef2=(1.0 - alphas_cumprod_prev) * np.sqrt(1.0 - betas) / (1.0 - alphas_cumprod),
+    )
+    return Schedule(**{name: torch.from_numpy(value) for name, value in tables.items()})
+
+
+def _gather(table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """table[t] as a (B, 1, 1, 1) tensor in like's dtype, on like's device."""
+    return table.to(like.device)[t].to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
+
+
+def q_sample(sched: Schedule, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, a sample of q(x_t | x_0) (eq. 4)."""
+    return _gather(sched.sqrt_alphas_cumprod, t, x0) * x0 + _gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * noise
+
+
+def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None) -> torch.Tensor:
+    """L_simple (eq. 14, Algorithm 1): MSE between the noise and the model's prediction of it,
+    with t uniform on {0, ..., T-1} and eps ~ N(0, I) unless given."""
+    if t is None:
+        t = torch.randint(0, sched.num_steps, (x0.shape[0],), device=x0.device)
+    if noise is None:
+        noise = torch.randn_like(x0)
+    prediction = model(q_sample(sched, x0, t, noise), t)
+    return (prediction.float() - noise).square().mean()
+
+
+def predict_x0(sched: Schedule, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+    """x_0 = x_t / sqrt(abar_t) - sqrt(1/abar_t - 1) eps: eq. 4 solved for x_0 (used in eq. 15)."""
+    return _gather(sched.sqrt_recip_alphas_cumprod, t, xt) * xt - _gather(sched.sqrt_recipm1_alphas_cumprod, t, xt) * eps
+
+
+def q_posterior(sched: Schedule, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor):
+    """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0) (eqs. 6 and 7)."""
+    mean = _gather(sched.posterior_mean_coef1, t, xt) * x0 + _gather(sched.posterior_mean_coef2, t, xt) * xt
+    return mean, _gather(sched.posterior_variance, t, xt), _gather(sched.posterior_log_variance_clipped, t, xt)
+
+
+def model_log_variance(sched: Schedule, t: torch.Tensor, like: torch.Tensor, variance: str) -> torch.Tensor:
+    """log sigma_t^2 of p(x_{t-1} | x_t) (section 3.2): 'fixedlarge' is sigma^2 = beta_t (with
+    the t=0 entry set to the posterior variance at t=1, as in the paper's code), 'fixedsmall'
+    is sigma^2 = beta-tilde_t."""
+    if variance == 'fixedlarge':
+        log_var = torch.log(torch.cat([sched.posterior_variance[1:2], sched.betas[1:]]))
+    elif variance == 'fixedsmall':
+        log_var = sched.posterior_log_variance_clipped
+    else:
+        raise ValueError(f"variance must be 'fixedlarge' or 'fixedsmall', got {variance!r}")
+    return _gather(log_var, t, like)
+
+
+def p_mean_variance(model, sched: Schedule, xt: torch.Tensor, t: torch.Tensor,
+                    variance: str = 'fixedlarge', clip_denoised: bool = True):
+    """Mean and log variance of p(x_{t-1} | x_t) and the predicted x_0. The mean is eq. 11,
+    computed as the posterior mean (eq. 7) at the predicted x_0 (eq. 15), optionally clipped
+    to [-1, 1] as the paper's sampler does."""
+    eps = model(xt, t).float()
+    x0 = predict_x0(sched, xt, t, eps)
+    if clip_denoised:
+        x0 = x0.clamp(-1, 1)
+    mean, _, _ = q_posterior(sched, x0, xt, t)
+    return mean, model_log_variance(sched, t, xt, variance), x0
+
+
+def _randn(shape, generator: torch.Generator, device) -> torch.Tensor:
+    gen_device = generator.device if generator is not None else device
+    return torch.randn(shape, generator=generator, device=gen_device).to(device)
+
+
+@torch.no_grad()
+def ddpm_sample(model, sched: Schedule, shape, generator: torch.Generator = None, device='cpu',
+                variance: str = 'fixedlarge', clip_denoised: bool = True, progress: bool = False):
+    """Ancestral sampling, Algorithm 2: x_T ~ N(0, I), then x_{t-1} ~ p(x_{t-1} | x_t) for
+    t = T-1, ..., 0, with no noise added at the last step. Returns images in [-1, 1]."""
+    x = _randn(shape, generator, device)
+    for step in tqdm(range(sched.num_steps - 1, -1, -1), disable=not progress, desc='ddpm'):
+        t = torch.full((shape[0],), step, device=device, dtype=torch.long)
+        mean, log_var, _ = p_mean_variance(model, sched, x, t, variance, clip_denoised)
+        x = mean + (0.5 * log_var).exp() * _randn(shape, generator, device) if step > 0 else mean
+    return x.clamp(-1, 1)
+
+
+def ddim_timesteps(num_steps: int, sample_steps: int) -> list:
+    """sample_steps timesteps spread evenly over [0, T-1], both ends included, ascending."""
+    if not 1 <= sample_steps <= num_steps:
+        raise ValueError(f'sample steps must be in [1, {num_steps}], got {sample_steps}')
+    return sorted(set(np.linspace(0, num_steps - 1, sample_steps).round().astype(int).tolist()))
+
+
+def ddim_step(sched: Schedule, xt: torch.Tensor, eps: torch.Tensor, step: int, prev_step: int,
+              eta: float = 0.0, noise: torch.Tensor = None, clip_denoised: bool = True) -> torch.Tensor:
+    """One DDIM update (Song, Meng & Ermon, 2021, eq. 12, sigma from eq. 16 scaled by eta):
+    x_prev = sqrt(abar_prev) x0_pred + sqrt(1 - abar_prev - sigma^2) eps + sigma z.
+    prev_step=-1 means abar_prev = 1, i.e. return the predicted x_0."""
+    abar = float(sched.alphas_cumprod[step])
+    x0 = (xt - math.sqrt(1 - abar) * eps) / math.sqrt(abar)  # eq. 4 solved for x_0
+    if clip_denoised:
+        x0 = x0.clamp(-1, 1)
+    if prev_step < 0:
+        return x0
+    abar_prev = float(sched.alphas_cumprod[prev_step])
+    sigma = eta * math.sqrt((1 - abar_prev) / (1 - abar) * (1 - abar / abar_prev))
+    x_prev = math.sqrt(abar_prev) * x0 + math.sqrt(1 - abar_prev - sigma ** 2) * eps
+    return x_prev + sigma * noise if sigma > 0 else x_prev
+
+
+@torch.no_grad()
+def ddim_sample(model, sched: Schedule, shape, steps: int = 50, eta: float = 0.0,
+                generator: torch.Generator = None, device='cpu', clip_denoised: bool = True,
+                progress: bool = False):
+    """DDIM sampling over `steps` timesteps spread evenly over [0, T-1]. eta=0 is
+    deterministic given x_T; eta=1 has DDPM's posterior variance. Returns images in [-1, 1]."""
+    timesteps = ddim_timesteps(sched.num_steps, steps)
+    sched_cpu = sched.to('cpu')  # coefficients as python floats: no device sync per step
+    x = _randn(shape, generator, device)
+    for i in tqdm(range(len(timesteps) - 1, -1, -1), disable=not progress, desc='ddim'):
+        step, prev_step = timesteps[i], (timesteps[i - 1] if i > 0 else -1)
+        eps = model(x, torch.full((shape[0],), step, device=device, dtype=torch.long)).float()
+        noise = _randn(shape, generator, device) if eta > 0 and prev_step >= 0 else None
+        x = ddim_step(sched_cpu, x, eps, step, prev_step, eta, noise, clip_denoised)
+    return x.clamp(-1, 1)
+
+
+def normal_kl(mean1, log_var1, mean2, log_var2) -> torch.Tensor:
+    """KL(N(mean1, exp(log_var1)) || N(mean2, exp(log_var2))), elementwise, in nats."""
+    return 0.5 * (-1.0 + log_var2 - log_var1 + (log_var1 - log_var2).exp()
+                  + (mean1 - mean2).square() * (-log_var2).exp())
+
+
+def discretized_gaussian_log_likelihood(x0: torch.Tensor, mean: torch.Tensor, log_var: torch.Tensor) -> torch.Tensor:
+    """log p(x_0 | x_1) of the discretized Gaussian decoder (eq. 13), elementwise, in nats:
+    the Gaussian's mass on each pixel's bin of width 2/255, with the edge bins open."""
+    inv_std = (-0.5 * log_var).exp()
+    upper = inv_std * (x0 - mean + 1 / 255)
+    lower = inv_std * (x0 - mean - 1 / 255)
+    log_cdf_upper = torch.special.log_ndtr(upper)
+    log_sf_lower = torch.special.log_ndtr(-lower)
+    log_bin = torch.log((torch.special.ndtr(upper) - torch.special.ndtr(lower)).clamp(min=1e-12))
+    return torch.where(x0 < -0.999, log_cdf_upper, torch.where(x0 > 0.999, log_sf_lower, log_bin))
+
+
+@torch.no_grad()
+def vlb_bits_per_dim(model, sched: Schedule, x0: torch.Tensor, generator: torch.Generator = None,
+                     variance: str = 'fixedlarge', clip_denoised: bool = True, progress: bool = False) -> dict:
+    """The variational bound L = L_T + sum_{t>1} L_{t-1} + L_0 (eq. 5) in bits per dimension,
+    per image: the prior term KL(q(x_T | x_0) || N(0, I)), one KL between the posterior and
+    p(x_{t-1} | x_t) per t, and the discretized Gaussian decoder's NLL at t=0 (eq. 13).
+    One model call per timestep. x0 must be data in [-1, 1] on 256 levels.
+    Returns {'total', 'prior', 'decoder', 'terms'}: (B,), (B,), (B,), (B, T)."""
+    B, T = x0.shape[0], sched.num_steps
+    to_bits = 1.0 / (math.log(2.0) * x0[0].numel())
+    terms = torch.zeros(B, T, device=x0.device)
+    for step in tqdm(range(T - 1, -1, -1), disable=not progress, desc='bits/dim'):
+        t = torch.full((B,), step, device=x0.device, dtype=torch.long)
+        xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device))
+        mean, log_var, _ = p_mean_variance(model, sched, xt, t, variance, clip_denoised)
+        if step == 0:
+            nats = -discretized_gaussian_log_likelihood(x0, mean, log_var)
+        else:
+            true_mean, _, true_log_var = q_posterior(sched, x0, xt, t)
+            nats = normal_kl(true_mean, true_log_var, mean, log_var)
+        terms[:, step] = nats.flatten(1).sum(1) * to_bits
+    t_last = torch.full((B,), T - 1, device=x0.device, dtype=torch.long)
+    prior_mean = _gather(sched.sqrt_alphas_cumprod, t_last, x0) * x0
+    prior_log_var = torch.log(_gather(1.0 - sched.alphas_cumprod, t_last, x0)).expand_as(x0)
+    prior = normal_kl(prior_mean, prior_log_var, torch.zeros_like(x0), torch.zeros_like(x0)).flatten(1).sum(1) * to_bits
+    return {'total': prior + terms.sum(1), 'prior': prior, 'decoder': terms[:, 0], 'terms': terms}

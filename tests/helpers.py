@@ -1,0 +1,48 @@
+"""Shared test helpers: small on-disk data sets and a quick train.py invocation."""
+import os
+import pickle
+
+import numpy as np
+from PIL import Image
+
+
+def write_cifar10(root, train_per_batch=20, test_count=20, seed=0):
+    """A small CIFAR-10 in the real on-disk format: cifar-10-batches-py/ with pickled dicts of
+    uint8 rows (N, 3072: 1024 red, then green, then blue values, row-major)."""
+    rng = np.random.default_rng(seed)
+    folder = os.path.join(root, 'cifar-10-batches-py')
+    os.makedirs(folder, exist_ok=True)
+    names = [f'data_batch_{i}' for i in range(1, 6)] + ['test_batch']
+    for name in names:
+        count = test_count if name == 'test_batch' else train_per_batch
+        batch = {'batch_label': name, 'labels': rng.integers(0, 10, count).tolist(),
+                 'data': rng.integers(0, 256, (count, 3072), dtype=np.uint8),
+                 'filenames': [f'{name}_{i}.png' for i in range(count)]}
+        with open(os.path.join(folder, name), 'wb') as f:
+            pickle.dump(batch, f)
+    with open(os.path.join(folder, 'batches.meta'), 'wb') as f:
+        pickle.dump({'label_names': ['airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog',
+                                     'horse', 'ship', 'truck'], 'num_cases_per_batch': train_per_batch}, f)
+    return root
+
+
+def write_image_folder(root, count=12, seed=0):
+    """PNGs and JPEGs in nested folders, in RGB, grayscale, RGBA and palette modes, odd sizes."""
+    rng = np.random.default_rng(seed)
+    modes = ['RGB', 'L', 'RGBA', 'P']
+    for i in range(count):
+        sub = os.path.join(root, f'part{i % 3}')
+        os.makedirs(sub, exist_ok=True)
+        w, h = int(rng.integers(17, 60)), int(rng.integers(17, 60))
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(modes[i % 4])
+        ext = '.jpg' if i % 5 == 4 and image.mode in ('RGB', 'L') else '.png'
+        image.save(os.path.join(sub, f'img{i}{ext}'))
+    return root
+
+
+def train_args(tmp_path, *extra):
+    """Arguments for a seconds-long train.py run: tiny model, 16x16 shapes, batch 8."""
+    return ['--preset', 'tiny', '--dataset', 'shapes', '--shapes-count', '96', '--image-size', '16',
+            '--batch-size', '8', '--device', 'cpu', '--heldout-size', '16', '--num-samples', '4',
+            '--sample-steps', '2', '--log-every', '5', '--out-dir', str(tmp_path / 'run'),
+            '--samples-dir', str(tmp_path / 'samples'), *extra]

@@ -1,0 +1,153 @@
+import pytest
+import torch
+import torchvision
+
+import data
+from helpers import write_cifar10, write_image_folder
+
+
+def test_shapes_deterministic_and_structured():
+    a = data.make_shapes(40, 16, seed=0)
+    assert a.shape == (40, 3, 16, 16) and a.dtype == torch.uint8
+    assert torch.equal(a, data.make_shapes(40, 16, seed=0))
+    assert torch.equal(a[:10], data.make_shapes(10, 16, seed=0))  # a larger count extends a smaller
+    assert not torch.equal(a, data.make_shapes(40, 16, seed=1))
+    # Real structure: neighbouring pixels are far more alike than random pixels.
+    x = a.float()
+    neighbour = (x[..., 1:] - x[..., :-1]).abs().mean()
+    shuffled = (x.flatten()[torch.randperm(x.numel())] - x.flatten()).abs().mean()
+    assert neighbour < shuffled / 3
+    assert data.make_shapes(3, 64).shape == (3, 3, 64, 64)
+
+
+def test_epoch_order_depends_on_seed_and_epoch_only():
+    p0, f0 = data.epoch_order(100, seed=3, epoch=0)
+    p0b, f0b = data.epoch_order(100, seed=3, epoch=0)
+    p1, _ = data.epoch_order(100, seed=3, epoch=1)
+    q0, _ = data.epoch_order(100, seed=4, epoch=0)
+    assert torch.equal(p0, p0b) and torch.equal(f0, f0b)
+    assert sorted(p0.tolist()) == list(range(100))
+    assert not torch.equal(p0, p1) and not torch.equal(p0, q0)
+    assert 20 < f0.sum() < 80
+
+
+def test_gpu_and_torch_loaders_yield_the_same_batches():
+    images = data.make_shapes(50, 8)
+    dataset = data.ImageTensorDataset(images)
+    gpu = data.GPULoader(images, 8, seed=0, device='cpu')
+    torch_loader = data.TorchLoader(dataset, 8, seed=0, device='cpu', num_workers=0)
+    assert gpu.batches_per_epoch == torch_loader.batches_per_epoch == 6  # drop-last
+    for epoch, start in [(0, 0), (1, 4)]:
+        a, b = list(gpu.epoch(epoch, start)), list(torch_loader.epoch(epoch, start))
+        assert len(a) == len(b) == 6 - start
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+            assert x.dtype == torch.float32 and x.shape == (8, 3, 8, 8)
+            assert x.min() >= -1 and x.max() <= 1
+
+
+def test_loader_flips_and_scales_as_epoch_order_says():
+    images = data.make_shapes(16, 8)
+    loader = data.GPULoader(images, 16, seed=5, device='cpu')
+    (batch,) = list(loader.epoch(2))
+    permutation, flips = data.epoch_order(16, 5, 2)
+    expected = images[permutation].float() / 127.5 - 1
+    expected[flips] = expected[flips].flip(-1)
+    assert torch.equal(batch, expected)
+    assert flips.any() and not flips.all()  # the test sees both cases
+
+
+def test_resumed_epoch_continues_the_same_order():
+    loader = data.GPULoader(data.make_shapes(40, 8), 4, seed=0, device='cpu')
+    full = list(loader.epoch(0))
+    assert all(torch.equal(a, b) for a, b in zip(full[3:], loader.epoch(0, start=3)))
+
+
+def test_torch_loader_with_workers():
+    dataset = data.ImageTensorDataset(data.make_shapes(24, 8))
+    loader = data.TorchLoader(dataset, 4, seed=0, device='cpu', num_workers=2)
+    reference = data.GPULoader(dataset.images, 4, seed=0, device='cpu')
+    for epoch in range(2):  # persistent workers across epochs
+        assert all(torch.equal(a, b) for a, b in zip(loader.epoch(epoch), reference.epoch(epoch)))
+
+
+def test_ranks_get_disjoint_shards_of_equal_length():
+    n, batch = 37, 4
+    seen = []
+    for rank in range(2):
+        loader = data.Loader(n, batch, seed=0, rank=rank, world_size=2)
+        indices, _ = loader.shard(0)
+        assert len(indices) == loader.batches_per_epoch * batch == 16
+        seen.append(set(indices.tolist()))
+    assert not seen[0] & seen[1]
+
+
+def test_batch_larger_than_data_set_is_an_error():
+    with pytest.raises(data.DataError, match='larger than the data set'):
+        data.Loader(10, 11, seed=0)
+
+
+def test_image_folder_converts_modes_and_sizes(tmp_path):
+    write_image_folder(tmp_path, count=12)
+    dataset = data.load_dataset('folder', str(tmp_path), 16)
+    assert len(dataset) == 12  # recursive, PNG and JPEG
+    for i in range(len(dataset)):
+        image = dataset[i]
+        assert image.shape == (3, 16, 16) and image.dtype == torch.uint8
+    assert dataset.to_tensor(progress=False).shape == (12, 3, 16, 16)
+
+
+def test_image_folder_errors_name_the_file(tmp_path):
+    with pytest.raises(data.DataError, match='does not exist'):
+        data.load_dataset('folder', str(tmp_path / 'missing'), 16)
+    (tmp_path / 'empty').mkdir()
+    with pytest.raises(data.DataError, match='no PNG or JPEG'):
+        data.load_dataset('folder', str(tmp_path / 'empty'), 16)
+    write_image_folder(tmp_path / 'bad', count=3)
+    (tmp_path / 'bad' / 'notes.png').write_text('not an image')
+    with pytest.raises(data.DataError, match='notes.png'):
+        data.load_dataset('folder', str(tmp_path / 'bad'), 16)
+
+
+def test_truncated_image_is_reported_when_decoded(tmp_path):
+    write_image_folder(tmp_path, count=2)
+    path = next(tmp_path.rglob('*.png'))
+    path.write_bytes(path.read_bytes()[:60])  # header intact, pixel data cut off
+    dataset = data.ImageFolderDataset(str(tmp_path), 16)
+    with pytest.raises(data.DataError, match=path.name):
+        dataset.to_tensor(progress=False)
+
+
+@pytest.fixture
+def fake_cifar_checksums(monkeypatch):
+    # torchvision checks the real files' MD5 sums; the test's own files have others.
+    monkeypatch.setattr(torchvision.datasets.cifar, 'check_integrity', lambda *args, **kwargs: True)
+
+
+def test_cifar10_from_the_real_on_disk_format(tmp_path, fake_cifar_checksums):
+    import pickle
+    write_cifar10(tmp_path, train_per_batch=6, test_count=5)
+    train = data.load_dataset('cifar10', str(tmp_path), 32)
+    assert len(train) == 30 and train[0].shape == (3, 32, 32)
+    with open(tmp_path / 'cifar-10-batches-py' / 'data_batch_1', 'rb') as f:
+        row = pickle.load(f)['data'][0]
+    # The channel-planar row becomes a (3, 32, 32) image: red plane first.
+    assert torch.equal(train[0], torch.from_numpy(row).reshape(3, 32, 32))
+    assert data.load_heldout('cifar10', str(tmp_path), 32, 4).shape == (4, 3, 32, 32)
+    assert data.load_dataset('cifar10', str(tmp_path), 16)[0].shape == (3, 16, 16)
+
+
+def test_cifar10_offline_without_a_copy_says_what_to_do(tmp_path, monkeypatch):
+    def no_network(*args, **kwargs):
+        raise OSError('[Errno -3] Temporary failure in name resolution')
+    monkeypatch.setattr(torchvision.datasets.cifar, 'download_and_extract_archive', no_network)
+    with pytest.raises(data.DataError) as error:
+        data.load_dataset('cifar10', str(tmp_path), 32)
+    message = str(error.value)
+    assert 'download failed' in message and '--dataset shapes' in message and '--data-dir' in message
+
+
+def test_choose_loader():
+    dataset = data.ImageTensorDataset(data.make_shapes(4, 8))
+    assert data.choose_loader('torch', dataset, 'cpu') == 'torch'
+    assert data.choose_loader('auto', dataset, 'cpu') == 'gpu'  # tiny set: device-resident
