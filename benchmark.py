@@ -29,7 +29,8 @@ import torch
 import data
 import train
 from train import flag
-from model import A100_PEAK_TFLOPS, UNet, count_flops, count_params, count_torchinfo_flops, gpu_peak_key, peak_tflops
+from model import (A100_PEAK_TFLOPS, UNet, count_flops, count_params, count_torchinfo_flops, get_config, gpu_peak_key,
+                   peak_tflops)
 
 
 @dataclass
@@ -57,6 +58,13 @@ class BenchConfig:
     sweep: str = flag('', 'sweep one setting around the best row, with a plot',
                        choices=('', 'batch', 'workers', 'amp', 'compile'))
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
+    sampling: bool = flag(True, 'after the ladder, time DDIM-50 and DDPM-1000 sampling (its own table)')
+    sample_batch: int = flag(1000, 'images per sampling batch')
+    sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
+                                    choices=('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'))
+    quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
+                                'speed-ups (same seed, data, batch) and compare held-out losses')
+    steps: int = flag(2000, 'training steps of each --quality run')
     out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
     seed: int = flag(0, 'seed')
 
@@ -382,6 +390,8 @@ def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig) -
     with open(paths['json'], 'w') as f:
         json.dump(result, f, indent=1)
     table = markdown_table(rows, peer)
+    if meta.get('sampling'):
+        table += '\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n' + sampling_table(meta['sampling'])
     with open(paths['md'], 'w') as f:
         f.write(f"# Training speed: {meta['preset']} on {meta['device']}\n\n{summary_lines(meta, rows, peer)}\n\n{table}\n")
     bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", paths['png'])
@@ -440,7 +450,169 @@ def run_ladder(bench: BenchConfig) -> dict:
         peer = run_peer(best_row, bench, device, dataset, dataset_name, flops)
         add_speedups([results[0], peer])
     meta = header(bench, device, flops, dataset_name)
+    if bench.sampling:
+        meta['sampling'] = run_sampling(bench, device, flops)
     return write_outputs(f'{device_slug(device)}-{bench.preset}', meta, results, peer, bench)
+
+
+# ----------------------------------------------------------------------------- sampling speed
+
+def sampling_model(bench: BenchConfig, device: torch.device):
+    """The preset's UNet, eval mode, in the fastest settings for inference on this device."""
+    cuda = device.type == 'cuda'
+    config = get_config(bench.preset, image_size=bench.image_size)
+    model = UNet(config).to(device).eval().requires_grad_(False)
+    if cuda:
+        model = model.to(memory_format=torch.channels_last)
+        return torch.compile(model, mode=bench.sample_compile_mode), 'bf16', f'compile {bench.sample_compile_mode}, channels-last'
+    if bench.quick:
+        return model, 'fp32', 'eager (--quick on CPU)'
+    return torch.compile(model), 'fp32', 'compile default'
+
+
+def time_sampler(sample_once, device: torch.device, repeats: int) -> tuple:
+    """(seconds of the first call, which compiles; median seconds of `repeats` more)."""
+    start = time.perf_counter()
+    sample_once()
+    synchronize(device)
+    first = time.perf_counter() - start
+    clock = Clock(device)
+    clock.mark()
+    for _ in range(repeats):
+        sample_once()
+        clock.mark()
+    return first, statistics.median(clock.intervals_ms()) / 1e3
+
+
+def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> list:
+    """img/s and MFU of DDIM-50 and DDPM-1000 on one batch of `--sample-batch` images."""
+    from diffusion import ddim_sample, ddpm_sample, make_schedule
+    model, precision, settings = sampling_model(bench, device)
+    sched = make_schedule(1000).to(device)
+    batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
+    shape = (batch, 3, bench.image_size, bench.image_size)
+    generator = torch.Generator().manual_seed(bench.seed)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == 'bf16')
+    rows = []
+    for name, steps, sample in [('DDIM-50', 50, lambda: ddim_sample(model, sched, shape, 50, generator=generator, device=device)),
+                                ('DDPM-1000', 1000, lambda: ddpm_sample(model, sched, shape, generator, device))]:
+        print(f'sampling: {name} ...', flush=True)
+        try:
+            with autocast:
+                first, seconds = time_sampler(sample, device, repeats=1 if bench.quick or steps == 1000 else 3)
+        except Exception as error:  # a sampler that fails here is reported, not fatal to the table
+            rows.append({'name': name, 'error': one_line_error(error)})
+            continue
+        tflops = batch * steps * flops['forward'] / seconds / 1e12
+        peak = peak_for(precision, device, bench)
+        rows.append({'name': name, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
+                     'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds,
+                     'tflops': tflops, 'mfu': tflops / peak if peak else None,
+                     'seconds_for_50k': 50000 / (batch / seconds)})
+    release(device)
+    return rows
+
+
+def one_line_error(error: Exception) -> str:
+    return f'{type(error).__name__}: ' + (str(error).strip().splitlines() or [''])[0][:300]
+
+
+def sampling_table(rows: list) -> str:
+    lines = ['| Sampler | Batch | Precision | Settings | s/batch | img/s | TFLOP/s | MFU | 50k images |',
+             '| :- | -: | :- | :- | -: | -: | -: | -: | -: |']
+    for r in rows:
+        if 'error' in r:
+            lines.append(f"| {r['name']} | | failed: {r['error']} | | | | | | |")
+            continue
+        lines.append(f"| {r['name']} | {r['batch_size']} | {r['precision']} | {r['settings']} | "
+                     f"{r['seconds_per_batch']:.3f} | {r['img_per_s']:,.1f} | {r['tflops']:.2f} | "
+                     f"{fmt(r['mfu'], '.1%')} | {r['seconds_for_50k'] / 60:.1f} min |")
+    return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------- quality
+
+def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_name, seed: int) -> dict:
+    """Trains `bench.steps` steps under a row's settings; held-out losses of the model and EMA."""
+    row_cfg = dataclasses.replace(row_train_config(row, bench, device, dataset_name), seed=seed)
+    run = build_row_run(row_cfg, bench, device, dataset)
+    start = time.perf_counter()
+    stream = train.batches(run, 0)
+    loss_sum = torch.zeros((), device=device)
+    for step in range(bench.steps):
+        loss_sum += train.train_step(run, next(stream), step)
+    train_loss = loss_sum.item() / bench.steps
+    seconds = time.perf_counter() - start
+    # Evaluated the same way for every row: fp32, eager, on the same images, timesteps and noise.
+    eval_cfg = dataclasses.replace(row_cfg, amp='off', channels_last=False)
+    heldout = train.make_heldout(eval_cfg, device, run.sched.num_steps)
+    losses = {'model': train.heldout_losses(run.model, run.sched, heldout, eval_cfg, device),
+              'ema': train.heldout_losses(run.ema, run.sched, heldout, eval_cfg, device)}
+    release(device)
+    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg, device),
+            'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
+            'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
+
+
+def compare(run: dict, baseline: dict, weights: str) -> dict:
+    """Relative difference of held-out losses, with the paired standard error of the difference
+    (same images, timesteps and noise in both), so that evaluation noise is accounted for."""
+    diff = run['losses'][weights] - baseline['losses'][weights]
+    base = baseline['losses'][weights].mean().item()
+    return {'relative_difference': diff.mean().item() / base,
+            'paired_stderr_relative': (diff.std() / len(diff) ** 0.5).item() / base}
+
+
+def run_quality(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, dataset, flops = prepare(bench)
+    if bench.quick:
+        bench = dataclasses.replace(bench, steps=min(bench.steps, 20))
+    baseline = Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)
+    fast = dataclasses.replace(best_runnable_row(bench, device), name='All speed-ups', batch_size=bench.batch_size)
+    runs = []
+    for row, seed in [(baseline, bench.seed), (fast, bench.seed), (baseline, bench.seed + 1)]:
+        print(f'quality: {row.name}, seed {seed}, {bench.steps} steps ...', flush=True)
+        runs.append(train_for_quality(row, bench, device, dataset, dataset_name, seed))
+    base, fast_run, other_seed = runs
+    comparison = {weights: {'all_speedups': compare(fast_run, base, weights),
+                            'baseline_other_seed': compare(other_seed, base, weights)} for weights in ('model', 'ema')}
+    # Agreement: the speed-ups move the held-out loss no more than changing the seed does,
+    # or than two paired standard errors of the evaluation.
+    agree = {w: abs(c['all_speedups']['relative_difference']) <= max(abs(c['baseline_other_seed']['relative_difference']),
+                                                                    2 * c['all_speedups']['paired_stderr_relative'])
+             for w, c in comparison.items()}
+    meta = header(bench, device, flops, dataset_name)
+    result = {**meta, 'steps': bench.steps, 'batch_size': bench.batch_size,
+              'runs': [{k: v for k, v in r.items() if k != 'losses'} for r in runs],
+              'comparison': comparison, 'agree_within_noise': agree}
+    write_quality(result, bench, device)
+    return result
+
+
+def write_quality(result: dict, bench: BenchConfig, device: torch.device):
+    lines = [f"# Quality: {result['preset']}, {result['steps']} steps of batch {result['batch_size']} on "
+             f"{result['device']}", '', f"torch {result['torch']}, {result['date']}, commit {result['commit']}; "
+             f"held-out loss on {train.TrainConfig.heldout_size} fixed images, timesteps and noise, evaluated in fp32.", '',
+             f"Command: {result['command']}", '',
+             '| Run | Seed | Precision | train loss | held-out loss | held-out loss (EMA) | time (s) |',
+             '| :- | -: | :- | -: | -: | -: | -: |']
+    for r in result['runs']:
+        lines.append(f"| {r['name']} | {r['seed']} | {r['precision']} | {r['train_loss']:.5f} | "
+                     f"{r['heldout_loss']:.5f} | {r['heldout_loss_ema']:.5f} | {r['seconds']:.1f} |")
+    lines += ['', '| Weights | speed-ups vs baseline | paired s.e. | other seed vs baseline | agree within noise |',
+              '| :- | -: | -: | -: | :- |']
+    for weights, c in result['comparison'].items():
+        lines.append(f"| {weights} | {c['all_speedups']['relative_difference']:+.2%} | "
+                     f"{c['all_speedups']['paired_stderr_relative']:.2%} | "
+                     f"{c['baseline_other_seed']['relative_difference']:+.2%} | {result['agree_within_noise'][weights]} |")
+    table = '\n'.join(lines)
+    os.makedirs(bench.out_dir, exist_ok=True)
+    stem = os.path.join(bench.out_dir, f'quality-{device_slug(device)}-{result["preset"]}')
+    with open(stem + '.json', 'w') as f:
+        json.dump(result, f, indent=1)
+    with open(stem + '.md', 'w') as f:
+        f.write(table + '\n')
+    print(table)
 
 
 def best_runnable_row(bench: BenchConfig, device: torch.device) -> Row:
@@ -701,6 +873,8 @@ def main(argv=None):
         return run_sweep(bench)
     if bench.loader_only:
         return run_loader_only(bench)
+    if bench.quality:
+        return run_quality(bench)
     return run_ladder(bench)
 
 

@@ -80,15 +80,15 @@ def q_sample(sched: Schedule, x0: torch.Tensor, t: torch.Tensor, noise: torch.Te
     return _gather(sched.sqrt_alphas_cumprod, t, x0) * x0 + _gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * noise
 
 
-def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None) -> torch.Tensor:
+def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, per_example=False) -> torch.Tensor:
     """L_simple (eq. 14, Algorithm 1): MSE between the noise and the model's prediction of it,
-    with t uniform on {0, ..., T-1} and eps ~ N(0, I) unless given."""
+    with t uniform on {0, ..., T-1} and eps ~ N(0, I) unless given. A scalar, or (B,) per image."""
     if t is None:
         t = torch.randint(0, sched.num_steps, (x0.shape[0],), device=x0.device)
     if noise is None:
         noise = torch.randn_like(x0)
-    prediction = model(q_sample(sched, x0, t, noise), t)
-    return (prediction.float() - noise).square().mean()
+    squared_error = (model(q_sample(sched, x0, t, noise), t).float() - noise).square()
+    return squared_error.flatten(1).mean(1) if per_example else squared_error.mean()
 
 
 def predict_x0(sched: Schedule, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:

@@ -288,21 +288,25 @@ def ranks_identical(model: torch.nn.Module, control_group) -> bool:
 
 
 @torch.no_grad()
-def heldout_loss(model, sched, heldout, cfg, device) -> float:
-    """The training loss on fixed images, timesteps and noise: comparable across runs."""
+def heldout_losses(model, sched, heldout, cfg: TrainConfig, device) -> torch.Tensor:
+    """Per-image training loss on fixed images, timesteps and noise (no flips, no dropout):
+    comparable across steps, runs and settings. Returns (N,) on the CPU."""
     was_training = model.training
     model.eval()
     images, t, noise = heldout
-    total = 0.0
+    losses = []
     for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
         x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         with autocast(cfg, device):
-            loss = diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk])
-        total += loss.item() * len(chunk)
+            losses.append(diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk], per_example=True))
     model.train(was_training)
-    return total / len(images)
+    return torch.cat(losses).cpu()
+
+
+def heldout_loss(model, sched, heldout, cfg: TrainConfig, device) -> float:
+    return heldout_losses(model, sched, heldout, cfg, device).mean().item()
 
 
 def make_heldout(cfg: TrainConfig, device, num_steps: int):

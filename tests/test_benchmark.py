@@ -101,3 +101,29 @@ def test_mfu_uses_the_row_precision_and_overrides():
     assert described['tflops'] == pytest.approx(10.0)
     assert described['mfu'] == pytest.approx(0.1)
     assert described['mfu_a100'] == pytest.approx(10.0 / 312)
+
+
+def test_sampling_rows_in_the_ladder(ladder_result):
+    out, result = ladder_result
+    rows = {row['name']: row for row in result['sampling']}
+    assert set(rows) == {'DDIM-50', 'DDPM-1000'}
+    for row in rows.values():
+        assert row['img_per_s'] > 0 and row['tflops'] > 0
+    # DDPM takes 20x the model calls of DDIM-50.
+    assert rows['DDPM-1000']['seconds_per_batch'] > 5 * rows['DDIM-50']['seconds_per_batch']
+    assert 'DDIM-50' in (out / 'cpu-tiny.md').read_text()
+
+
+def test_quality_mode(tmp_path):
+    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path),
+                             '--quality', '--steps', '6'])
+    assert (tmp_path / 'quality-cpu-tiny.json').exists()
+    names = [run['name'] for run in result['runs']]
+    assert names == ['Baseline (fp32, eager, manual attention, DataLoader)', 'All speed-ups',
+                     'Baseline (fp32, eager, manual attention, DataLoader)']
+    assert [run['seed'] for run in result['runs']] == [0, 0, 1]
+    for weights in ('model', 'ema'):
+        c = result['comparison'][weights]
+        assert abs(c['all_speedups']['relative_difference']) < 0.05  # same seed and data: close
+        assert c['baseline_other_seed']['relative_difference'] != 0  # another seed does move it
+        assert isinstance(result['agree_within_noise'][weights], bool)

@@ -1,0 +1,242 @@
+"""Sample from a checkpoint, and evaluate it: FID against a data set, bits/dim on a data set.
+
+    python sample.py --ckpt runs/ckpt.pt --num 50000 --sampler ddim --steps 50 --batch-size 1000 --out samples/
+    python sample.py --ckpt runs/ckpt.pt --num 64 --grid                 # one grid PNG
+    python sample.py --ckpt runs/ckpt.pt --num 50000 --fid                # FID vs CIFAR-10 train
+    python sample.py --ckpt runs/ckpt.pt --bpd --bpd-num 10000            # bits/dim on CIFAR-10 test
+
+Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast and
+torch.compile on CUDA. FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible
+network); its weights download on first use, or come from --inception-weights offline.
+Exit codes: 0 done, 2 bad input.
+"""
+import math
+import os
+import sys
+import time
+import typing
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import data
+import diffusion
+from model import UNet, UNetConfig, count_flops
+from train import ConfigError, build_parser, flag, one_line, pick_device
+
+
+@dataclass
+class SampleConfig:
+    ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py')
+    num: int = flag(64, 'images to draw')
+    sampler: str = flag('ddim', 'ddim (any --steps) or ddpm (all T steps, ancestral)', choices=('ddim', 'ddpm'))
+    steps: int = flag(50, 'DDIM steps')
+    eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise)')
+    variance: str = flag('fixedlarge', 'DDPM variance', choices=('fixedlarge', 'fixedsmall'))
+    batch_size: int = flag(256, 'images per sampling batch')
+    out: str = flag('samples', 'output folder')
+    format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
+                       choices=('png', 'npz'))
+    grid: bool = flag(False, 'write one grid PNG (out/grid.png) instead of separate images')
+    weights: str = flag('ema', 'which weights to use', choices=('ema', 'model'))
+    seed: int = flag(0, 'seed of the sampling noise')
+    device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
+    amp: str = flag('auto', 'autocast for sampling (auto: bf16 on CUDA); bits/dim always runs in fp32 unless '
+                            'set explicitly', choices=('auto', 'off', 'bf16'))
+    compile: typing.Optional[bool] = flag(None, 'torch.compile the model (default: on for CUDA)')
+    fid: bool = flag(False, 'compute FID of the drawn images against --fid-data')
+    fid_data: str = flag('cifar10', 'reference set for FID: cifar10 (train split), shapes or folder')
+    data_dir: str = flag('./data', 'where the FID / bits/dim data set lives')
+    fid_stats: str = flag('', 'cache of the reference statistics (.npz; default: DATA_DIR/fid_stats_<set>.npz)')
+    inception_weights: str = flag('', 'local InceptionV3 weights for FID (torch-fidelity\'s '
+                                      'weights-inception-2015-12-05-6726825d.pth); default: download')
+    bpd: bool = flag(False, 'compute the variational bound in bits/dim (T model calls per image)')
+    bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes or folder')
+    bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)')
+
+
+def load_model(path: str, weights: str, device) -> tuple:
+    """(model in eval mode, its UNetConfig, the training config) from a train.py checkpoint."""
+    if not os.path.isfile(path):
+        raise ConfigError(f'--ckpt {path}: no such checkpoint')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+        model_config = UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
+    except Exception as error:
+        raise ConfigError(f'--ckpt {path}: not a train.py checkpoint ({type(error).__name__}: {error})') from None
+    model = UNet(model_config)
+    model.load_state_dict(ckpt[weights])
+    return model.to(device).eval().requires_grad_(False), model_config, ckpt['config']
+
+
+def autocast_for(amp: str, device: torch.device):
+    enabled = amp == 'bf16' or (amp == 'auto' and device.type == 'cuda')
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+def draw(model, config: UNetConfig, cfg: SampleConfig, device, progress=True) -> typing.Iterator[torch.Tensor]:
+    """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i)."""
+    sched = diffusion.make_schedule(1000, 'linear').to(device)
+    size = config.image_size
+    bar = tqdm(total=cfg.num, desc=f'{cfg.sampler} sampling', unit='img', disable=not progress)
+    for index, start in enumerate(range(0, cfg.num, cfg.batch_size)):
+        shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
+        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.seed, index]).generate_state(1)[0]))
+        with autocast_for(cfg.amp, device):
+            if cfg.sampler == 'ddpm':
+                x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
+            else:
+                x = diffusion.ddim_sample(model, sched, shape, cfg.steps, cfg.eta, generator, device)
+        bar.update(shape[0])
+        yield to_uint8(x)
+    bar.close()
+
+
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
+    """[-1, 1] floats to uint8 (B, 3, H, W), rounding to the nearest of 256 levels."""
+    return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+
+
+def write_images(images: torch.Tensor, cfg: SampleConfig):
+    from torchvision.utils import save_image
+    os.makedirs(cfg.out, exist_ok=True)
+    if cfg.grid:
+        path = os.path.join(cfg.out, 'grid.png')
+        save_image(images.float() / 255, path, nrow=max(1, int(math.sqrt(len(images)))))
+    elif cfg.format == 'npz':
+        path = os.path.join(cfg.out, f'samples_{len(images)}x{images.shape[-1]}.npz')
+        np.savez(path, arr_0=images.permute(0, 2, 3, 1).numpy())
+    else:
+        from PIL import Image
+        for i, image in enumerate(images.permute(0, 2, 3, 1).numpy()):
+            Image.fromarray(image).save(os.path.join(cfg.out, f'{i:06d}.png'))
+        path = os.path.join(cfg.out, f'{0:06d}.png ... {len(images) - 1:06d}.png')
+    return path
+
+
+# ----------------------------------------------------------------------------- FID
+
+def inception_extractor(weights_path: str, device) -> typing.Callable:
+    """torch-fidelity's InceptionV3 (pool3, 2048 features), as uint8 (B, 3, H, W) -> (B, 2048)."""
+    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
+    if weights_path and not os.path.isfile(weights_path):
+        raise ConfigError(f'--inception-weights {weights_path}: no such file')
+    try:
+        network = FeatureExtractorInceptionV3('inception-v3-compat', ['2048'],
+                                              feature_extractor_weights_path=weights_path or None)
+    except Exception as error:
+        raise ConfigError(
+            f'FID needs the InceptionV3 weights, and downloading them failed ({type(error).__name__}: {error}). '
+            f'Offline, fetch {URL_INCEPTION_V3} on a machine with network and pass --inception-weights PATH') from None
+    network = network.to(device).eval()
+    return lambda images: network(images.to(device))[0].double().cpu()
+
+
+def features_of(batches: typing.Iterable[torch.Tensor], extractor: typing.Callable) -> np.ndarray:
+    with torch.no_grad():
+        return torch.cat([extractor(batch) for batch in batches]).numpy()
+
+
+def statistics(features: np.ndarray) -> dict:
+    """Mean and covariance of the features, as torch-fidelity computes them."""
+    from torch_fidelity.metric_fid import fid_features_to_statistics
+    return fid_features_to_statistics(torch.from_numpy(features))
+
+
+def frechet_distance(stats_a: dict, stats_b: dict) -> float:
+    """||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2) (Heusel et al., 2017), via torch-fidelity."""
+    from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_statistics_to_metric
+    return fid_statistics_to_metric(stats_a, stats_b, verbose=False)[KEY_METRIC_FID]
+
+
+def reference_images(name: str, data_dir: str, image_size: int, split_train: bool) -> torch.Tensor:
+    if name == 'cifar10':
+        return data.resize_images(data.load_cifar10(data_dir, train=split_train, download=True), image_size)
+    if name == 'shapes':
+        return data.make_shapes(50000 if split_train else 10000, image_size,
+                                seed=0 if split_train else data.SHAPES_HELDOUT_SEED)
+    return data.dataset_images(data.load_dataset('folder', data_dir, image_size))
+
+
+def reference_statistics(cfg: SampleConfig, image_size: int, extractor) -> dict:
+    """Statistics of the FID reference set, cached in an .npz next to the data."""
+    path = cfg.fid_stats or os.path.join(cfg.data_dir, f'fid_stats_{cfg.fid_data}_{image_size}.npz')
+    if os.path.isfile(path):
+        cached = np.load(path)
+        return {'mu': cached['mu'], 'sigma': cached['sigma']}
+    images = reference_images(cfg.fid_data, cfg.data_dir, image_size, split_train=True)
+    batches = tqdm(images.split(cfg.batch_size), desc=f'reference features ({cfg.fid_data})')
+    stats = statistics(features_of(batches, extractor))
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    np.savez(path, mu=stats['mu'], sigma=stats['sigma'])
+    return stats
+
+
+# ----------------------------------------------------------------------------- bits/dim
+
+def bits_per_dim(model, config: UNetConfig, cfg: SampleConfig, device) -> dict:
+    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False)[:cfg.bpd_num]
+    sched = diffusion.make_schedule(1000, 'linear').to(device)
+    amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
+    totals, priors, decoders = [], [], []
+    generator = torch.Generator().manual_seed(cfg.seed)
+    for batch in tqdm(images.split(cfg.batch_size), desc='bits/dim (1000 model calls per batch)'):
+        x0 = batch.to(device).float() / 127.5 - 1
+        with autocast_for(amp, device):
+            result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator)
+        totals.append(result['total'].cpu())
+        priors.append(result['prior'].cpu())
+        decoders.append(result['decoder'].cpu())
+    total = torch.cat(totals)
+    return {'bits_per_dim': total.mean().item(), 'stderr': (total.std() / math.sqrt(len(total))).item() if len(total) > 1 else None,
+            'prior': torch.cat(priors).mean().item(), 'decoder': torch.cat(decoders).mean().item(),
+            'images': len(total), 'data': cfg.bpd_data}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(cfg: SampleConfig) -> dict:
+    device = pick_device(cfg.device, 0)
+    for name in ('num', 'batch_size', 'steps', 'bpd_num'):
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    model, config, train_config = load_model(cfg.ckpt, cfg.weights, device)
+    if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
+        model = torch.compile(model)
+    result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
+    if cfg.bpd:
+        result['bpd'] = bits_per_dim(model, config, cfg, device)
+        print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f}")
+        if not cfg.fid:
+            return result  # --bpd alone evaluates; add --fid to sample as well
+    extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid else None
+    start = time.perf_counter()
+    images = torch.cat(list(draw(model, config, cfg, device)))
+    seconds = time.perf_counter() - start
+    steps = 1000 if cfg.sampler == 'ddpm' else cfg.steps
+    flops = count_flops(config)['forward'] * steps * len(images)
+    result.update(images=len(images), seconds=seconds, img_per_s=len(images) / seconds,
+                  tflops=flops / seconds / 1e12, path=write_images(images, cfg))
+    print(f"{len(images)} images ({cfg.sampler}, {steps} steps) in {seconds:.1f}s: {result['img_per_s']:.1f} img/s, "
+          f"{result['tflops']:.2f} TFLOP/s (first batch includes compilation); wrote {result['path']}")
+    if cfg.fid:
+        fake = statistics(features_of(tqdm(images.split(cfg.batch_size), desc='sample features'), extractor))
+        result['fid'] = frechet_distance(fake, reference_statistics(cfg, config.image_size, extractor))
+        print(f"FID against {cfg.fid_data} ({len(images)} samples): {result['fid']:.3f}")
+    return result
+
+
+def cli(argv=None) -> int:
+    cfg = SampleConfig(**vars(build_parser(SampleConfig, __doc__).parse_args(argv)))
+    try:
+        main(cfg)
+    except (ConfigError, data.DataError) as error:
+        print(f'error: {one_line(error)}', file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(cli())
