@@ -222,6 +222,9 @@ def run_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=No
     if reason:
         return {**entry, 'skipped': reason}
     row_cfg = row_train_config(row, bench, device, dataset_name)
+    if row.loader == 'ffcv':
+        dataset = beton_for(bench, dataset_name, dataset)
+        row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=dataset.path)
     try:
         run = build_row_run(row_cfg, bench, device, dataset, make_model)
         result = describe(time_training(run, bench), row_cfg, bench, device, flops)
@@ -418,6 +421,15 @@ def prepare(bench: BenchConfig):
     flops.update(torchinfo_forward=torchinfo['forward'], torchinfo_train=torchinfo['train'],
                  torchinfo_method=torchinfo['method'], params=count_params(UNet(config)))
     return bench, device, dataset_name, dataset, flops
+
+
+def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
+    """The benchmark's data set as a raw-RGB .beton next to the data (written once)."""
+    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}.beton')
+    if not os.path.isfile(path):
+        print(f'writing {path} for the FFCV rows ...', flush=True)
+        data.write_beton(dataset, path, num_workers=bench.num_workers or 1)
+    return data.BetonDataset(path)
 
 
 def load_data(bench: BenchConfig):
@@ -809,13 +821,18 @@ def run_loader_only(bench: BenchConfig) -> dict:
     paths = [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', None), ('ffcv', None)]
     results = []
     for kind, workers in paths:
-        name = f'torch DataLoader, {workers} workers' if kind == 'torch' else {'gpu': 'gpu (device-resident)', 'ffcv': 'FFCV'}[kind]
+        name = f'torch DataLoader, {workers} workers' if kind == 'torch' else {
+            'gpu': 'gpu (device-resident)', 'ffcv': 'FFCV'}[kind]
         print(f'{name} ...', flush=True)
         reason = data.ffcv_missing_reason() if kind == 'ffcv' else None
         if reason:
             results.append({'name': name, 'skipped': reason})
             continue
-        loader = data.make_loader(kind, dataset, batch, bench.seed, device, workers or 0, progress=False)
+        source = beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset
+        workers = bench.num_workers if kind == 'ffcv' else workers
+        loader = data.make_loader(kind, source, batch, bench.seed, device, workers or 0, progress=False)
+        if kind == 'ffcv':
+            name = f'FFCV ({loader.num_workers} threads)'
         results.append({'name': name, 'loader': kind, 'num_workers': workers,
                         'img_per_s': time_loader(loader, batches, device)})
         del loader

@@ -10,6 +10,8 @@ exactly the batches an uninterrupted one would have.
 """
 import os
 import socket
+import sys
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
-DATASETS = ('cifar10', 'folder', 'shapes')
+DATASETS = ('cifar10', 'folder', 'shapes', 'beton')
 LOADERS = ('auto', 'gpu', 'torch', 'ffcv')
 SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own stream
 
@@ -173,7 +175,10 @@ def _draw_shapes(rng, n: int, image_size: int) -> np.ndarray:
 
 
 def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 8192) -> Dataset:
-    """The training set: an ImageTensorDataset, or a lazily decoded ImageFolderDataset."""
+    """The training set: an ImageTensorDataset, a lazily decoded ImageFolderDataset, or the
+    images of a .beton file (BetonDataset)."""
+    if name == 'beton':
+        return BetonDataset(data_dir)
     if name == 'cifar10':
         return ImageTensorDataset(resize_images(load_cifar10(data_dir, train=True), image_size))
     if name == 'shapes':
@@ -187,11 +192,14 @@ def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 
 
 def load_heldout(name: str, data_dir: str, image_size: int, count: int) -> torch.Tensor:
     """A fixed set of images for the held-out loss: CIFAR-10's test split, shapes from another
-    seed, or, for a folder (which has no split), its first `count` files in sorted order."""
+    seed, or, for a folder or .beton (no split), its first `count` images."""
     if name == 'cifar10':
         return resize_images(load_cifar10(data_dir, train=False)[:count], image_size)
     if name == 'shapes':
         return make_shapes(count, image_size, seed=SHAPES_HELDOUT_SEED)
+    if name == 'beton':
+        dataset = BetonDataset(data_dir)
+        return dataset.images(range(min(count, len(dataset))))
     dataset = ImageFolderDataset(data_dir, image_size)
     return torch.stack([dataset[i] for i in range(min(count, len(dataset)))])
 
@@ -200,7 +208,7 @@ def dataset_images(dataset: Dataset, progress: bool = True) -> torch.Tensor:
     """The whole set as one (N, 3, H, W) uint8 tensor (decoding a folder if needed)."""
     if isinstance(dataset, ImageTensorDataset):
         return dataset.images
-    return dataset.to_tensor(progress)
+    return dataset.to_tensor(progress)  # ImageFolderDataset, BetonDataset
 
 
 # ----------------------------------------------------------------------------- order
@@ -307,14 +315,122 @@ def choose_loader(kind: str, dataset: Dataset, device) -> str:
     return 'gpu' if needed < free / 4 else 'torch'
 
 
+# ----------------------------------------------------------------------------- FFCV
+
+FFCV_INSTALL = ('ffcv is not installed: apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config && '
+                'pip install -r requirements-ffcv.txt')
+
+
 def ffcv_missing_reason():
     """None if the FFCV loader can run here, else why not and how to fix it."""
     try:
         import ffcv  # noqa: F401
     except ImportError:
-        return ('ffcv is not installed: apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config; '
-                'pip install -r requirements-ffcv.txt')
-    return 'the FFCV loader is not implemented yet'
+        return FFCV_INSTALL
+    return None
+
+
+def _require_ffcv():
+    reason = ffcv_missing_reason()
+    if reason:
+        raise DataError(reason)
+
+
+class _HWCImages:
+    """A data set seen as FFCV's writer wants it: index -> (H, W, 3 uint8 array,)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, index):
+        return (self.dataset[index].permute(1, 2, 0).contiguous().numpy(),)
+
+
+def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: int = 90, num_workers: int = 4):
+    """Writes every image of a data set to an FFCV .beton file (raw RGB, or JPEG)."""
+    _require_ffcv()
+    from ffcv.fields import RGBImageField
+    from ffcv.writer import DatasetWriter
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    field = RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)
+    DatasetWriter(path, {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
+
+
+def _ffcv_pipeline(device):
+    from ffcv.fields.decoders import SimpleRGBImageDecoder
+    from ffcv.transforms import ToDevice, ToTensor, ToTorchImage
+    return [SimpleRGBImageDecoder(), ToTensor(), ToDevice(torch.device(device), non_blocking=True),
+            ToTorchImage(channels_last=False)]
+
+
+class _FixedOrder:
+    """An FFCV traversal order that is exactly the given indices (FFCV's own orders would not
+    match the other loaders' epoch order)."""
+
+    def __init__(self, indices):
+        self.indices = np.asarray(indices, dtype='uint64')
+
+    def sample_order(self, epoch):
+        return self.indices
+
+
+class BetonDataset(Dataset):
+    """The images of a .beton file as a data set of uint8 (3, H, W) tensors (decoded by FFCV)."""
+
+    def __init__(self, path: str):
+        _require_ffcv()
+        if not os.path.isfile(path):
+            raise DataError(f'.beton file {path!r} does not exist: write one with python data.py --write-beton')
+        from ffcv.reader import Reader
+        try:
+            self.path, self.count = path, Reader(path).num_samples
+        except Exception as error:
+            raise DataError(f'cannot read {path!r} as an FFCV .beton file: {error}') from None
+
+    def __len__(self):
+        return self.count
+
+    def images(self, indices) -> torch.Tensor:
+        from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
+        indices = list(indices)
+        loader = FFCVLoaderBase(self.path, batch_size=len(indices), num_workers=1, order=OrderOption.SEQUENTIAL,
+                                indices=indices, pipelines={'image': _ffcv_pipeline('cpu')})
+        (batch,) = next(iter(loader))
+        return batch.clone()
+
+    def __getitem__(self, index):
+        return self.images([index])[0]
+
+    def to_tensor(self, progress: bool = True) -> torch.Tensor:
+        return torch.cat([self.images(range(start, min(start + 4096, self.count)))
+                          for start in tqdm(range(0, self.count, 4096), desc='decoding .beton', disable=not progress)])
+
+
+class FFCVLoader(Loader):
+    """FFCV's Loader: JIT-compiled decoding in worker threads, the batch moved to the device
+    inside its pipeline; the epoch order, flips and conversion are the same as the other
+    loaders' (flips and conversion run on the device, like theirs)."""
+
+    def __init__(self, path: str, batch_size: int, seed: int, device, num_workers: int = 4, rank=0, world_size=1):
+        _require_ffcv()
+        from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
+        import numba
+        super().__init__(len(BetonDataset(path)), batch_size, seed, rank, world_size)
+        self.device = torch.device(device)
+        self.num_workers = max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS))  # numba's ceiling: the cores
+        self.ffcv = FFCVLoaderBase(path, batch_size=batch_size, num_workers=self.num_workers, drop_last=True,
+                                   order=OrderOption.SEQUENTIAL, os_cache=True,
+                                   pipelines={'image': _ffcv_pipeline(self.device)})
+
+    def epoch(self, epoch: int, start: int = 0):
+        indices, flips = self.shard(epoch)
+        self.ffcv.traversal_order = _FixedOrder(indices[start * self.batch_size:].numpy())
+        flips = flips.to(self.device)
+        for b, (images,) in zip(range(start, self.batches_per_epoch), self.ffcv):
+            yield to_model_input(images, flips[b * self.batch_size:(b + 1) * self.batch_size])
 
 
 def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
@@ -324,5 +440,43 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
     if kind == 'torch':
         return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size)
     if kind == 'ffcv':
-        raise DataError(f'--loader ffcv: {ffcv_missing_reason()}')
+        if not isinstance(dataset, BetonDataset):
+            raise DataError('--loader ffcv reads a .beton file: pass --data-dir FILE.beton '
+                            '(write one with python data.py --write-beton FILE.beton --dataset ...)')
+        return FFCVLoader(dataset.path, batch_size, seed, device, num_workers, rank, world_size)
     raise DataError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
+
+
+# ----------------------------------------------------------------------------- command line
+
+@dataclass
+class BetonConfig:
+    write_beton: str = field(default='', metadata={'help': 'the .beton file to write'})
+    dataset: str = field(default='cifar10', metadata={'help': 'data set to convert', 'choices': ('cifar10', 'folder', 'shapes')})
+    data_dir: str = field(default='./data', metadata={'help': 'CIFAR-10 root or image folder'})
+    image_size: int = field(default=32, metadata={'help': 'resolution the images are stored at'})
+    shapes_count: int = field(default=8192, metadata={'help': 'images in the shapes set'})
+    jpeg: bool = field(default=False, metadata={'help': 'store JPEG instead of raw RGB (smaller, slower to decode)'})
+    jpeg_quality: int = field(default=90, metadata={'help': 'JPEG quality'})
+    num_workers: int = field(default=4, metadata={'help': 'writer processes'})
+
+
+def main(argv=None) -> int:
+    """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes [...]"""
+    from train import build_parser, one_line
+    cfg = BetonConfig(**vars(build_parser(BetonConfig, main.__doc__).parse_args(argv)))
+    try:
+        if not cfg.write_beton:
+            raise DataError('nothing to do: pass --write-beton OUT.beton')
+        dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
+        write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)
+    except DataError as error:
+        print(f'error: {one_line(error)}', file=sys.stderr)
+        return 2
+    print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}) '
+          f'to {cfg.write_beton}')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

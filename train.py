@@ -35,7 +35,8 @@ def flag(default, help, **extra):
 class TrainConfig:
     preset: str = flag('ddpm-cifar10', 'UNet preset', choices=tuple(PRESETS))
     dataset: str = flag('cifar10', 'data set', choices=data.DATASETS)
-    data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file')
+    data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file '
+                                   '(--dataset beton or --loader ffcv)')
     image_size: int = flag(32, 'training resolution (images are resized and centre-cropped)')
     shapes_count: int = flag(8192, 'number of images in the shapes data set')
     batch_size: typing.Optional[int] = flag(None, 'global batch size, split across DDP ranks (paper: 128; tiny: 32)')
@@ -130,6 +131,8 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
             setattr(cfg, name, value)
     cfg.dropout = PRESETS[cfg.preset].dropout if cfg.dropout is None else cfg.dropout
     cfg.amp = ('bf16' if cuda and torch.cuda.is_bf16_supported() else 'off') if cfg.amp == 'auto' else cfg.amp
+    if cfg.loader == 'ffcv':
+        cfg.dataset = 'beton'  # FFCV reads the .beton file given as --data-dir
     for name in ('compile', 'channels_last', 'fused_adam'):
         if getattr(cfg, name) is None:
             setattr(cfg, name, cuda)
@@ -165,6 +168,8 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
                           f'use --amp bf16 or --amp off')
     if cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
         raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
+    if cfg.dataset == 'beton' and data.ffcv_missing_reason():
+        raise ConfigError(f'--loader ffcv / --dataset beton: {data.ffcv_missing_reason()}')
     for name in ('log_every', 'num_samples', 'heldout_size', 'sample_steps', 'shapes_count'):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import benchmark
+import data
 from model import PRESETS, count_params
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
@@ -13,13 +14,15 @@ ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tf
 @pytest.fixture(scope='module')
 def ladder_result(tmp_path_factory):
     out = tmp_path_factory.mktemp('results')
-    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(out)])
+    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(out), '--data-dir', str(out / 'data')])
     return out, result
 
 
 def test_cpu_ladder_writes_json_markdown_and_png(ladder_result):
     out, _ = ladder_result
     assert sorted(p.name for p in out.iterdir() if p.is_file()) == ['cpu-tiny.json', 'cpu-tiny.md', 'cpu-tiny.png']
+    if data.ffcv_missing_reason() is None:  # the FFCV row wrote its .beton next to the data
+        assert list((out / 'data').glob('*.beton'))
     saved = json.loads((out / 'cpu-tiny.json').read_text())
     for key in ('device', 'torch', 'date', 'commit', 'command', 'preset', 'image_size', 'flops_per_image', 'rows', 'peer'):
         assert key in saved
@@ -60,7 +63,7 @@ def test_peer_row_is_the_same_architecture(ladder_result):
 
 
 def test_profile_mode(tmp_path):
-    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--profile'])
+    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--data-dir', str(tmp_path), '--profile'])
     for ext in ('json', 'md', 'png'):
         assert (tmp_path / f'cpu-tiny-profile.{ext}').exists()
     assert (tmp_path / 'traces' / 'cpu-tiny-profile.json').exists()
@@ -69,14 +72,17 @@ def test_profile_mode(tmp_path):
 
 
 def test_sweep_and_loader_modes(tmp_path):
-    sweep = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--sweep', 'amp'])
+    sweep = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--data-dir', str(tmp_path), '--sweep', 'amp'])
     assert [row['name'] for row in sweep['rows']] == ['amp off', 'amp bf16']
     assert (tmp_path / 'cpu-tiny-sweep-amp.png').exists()
-    loaders = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--loader-only'])
+    loaders = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--data-dir', str(tmp_path), '--loader-only'])
     delivered = {row['name']: row for row in loaders['loaders']}
     assert delivered['gpu (device-resident)']['img_per_s'] > 0
     assert delivered['torch DataLoader, 2 workers']['img_per_s'] > 0
     assert loaders['step_img_per_s'] > 0
+    if data.ffcv_missing_reason() is None:
+        ffcv_rows = [row for row in loaders['loaders'] if row['name'].startswith('FFCV')]
+        assert ffcv_rows and ffcv_rows[0]['img_per_s'] > 0
     assert (tmp_path / 'cpu-tiny-loaders.png').exists()
 
 
@@ -115,7 +121,7 @@ def test_sampling_rows_in_the_ladder(ladder_result):
 
 
 def test_quality_mode(tmp_path):
-    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path),
+    result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path), '--data-dir', str(tmp_path),
                              '--quality', '--steps', '6'])
     assert (tmp_path / 'quality-cpu-tiny.json').exists()
     names = [run['name'] for run in result['runs']]

@@ -215,3 +215,11 @@ def test_ddp_two_gloo_ranks_end_identical(tmp_path, root):
     # Only rank 0 writes: one header line (world size 2) and one set of rows.
     lines = metrics(tmp_path)
     assert lines[0]['world_size'] == 2 and sum('step' in row for row in lines) == 2
+
+
+def test_ffcv_without_ffcv_says_how_to_install(tmp_path, capsys, monkeypatch):
+    import data
+    monkeypatch.setattr(data, 'ffcv_missing_reason', lambda: data.FFCV_INSTALL)
+    assert run(tmp_path, '--loader', 'ffcv', '--data-dir', str(tmp_path / 'x.beton'), '--steps', '2') == 2
+    line = _stderr_line(capsys)
+    assert 'apt-get install' in line and 'requirements-ffcv.txt' in line
