@@ -15,7 +15,7 @@ import os
 import sys
 import time
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,13 +47,15 @@ class SampleConfig:
                             'set explicitly', choices=('auto', 'off', 'bf16'))
     compile: typing.Optional[bool] = flag(None, 'torch.compile the model (default: on for CUDA)')
     fid: bool = flag(False, 'compute FID of the drawn images against --fid-data')
-    fid_data: str = flag('cifar10', 'reference set for FID: cifar10 (train split), shapes or folder')
+    fid_data: str = flag('cifar10', 'reference set for FID: cifar10 (train split), shapes, folder or beton '
+                                    '(--data-dir DIR or FILE.beton)', choices=('cifar10', 'shapes', 'folder', 'beton'))
     data_dir: str = flag('./data', 'where the FID / bits/dim data set lives')
     fid_stats: str = flag('', 'cache of the reference statistics (.npz; default: DATA_DIR/fid_stats_<set>.npz)')
     inception_weights: str = flag('', 'local InceptionV3 weights for FID (torch-fidelity\'s '
                                       'weights-inception-2015-12-05-6726825d.pth); default: download')
     bpd: bool = flag(False, 'compute the variational bound in bits/dim (T model calls per image)')
-    bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes or folder')
+    bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes, folder or beton',
+                         choices=('cifar10', 'shapes', 'folder', 'beton'))
     bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)')
 
 
@@ -157,7 +159,9 @@ def reference_images(name: str, data_dir: str, image_size: int, split_train: boo
     if name == 'shapes':
         return data.make_shapes(50000 if split_train else 10000, image_size,
                                 seed=0 if split_train else data.SHAPES_HELDOUT_SEED)
-    return data.dataset_images(data.load_dataset('folder', data_dir, image_size))
+    if name not in ('folder', 'beton'):
+        raise ConfigError(f"unknown data set {name!r}: use cifar10, shapes, folder or beton")
+    return data.dataset_images(data.load_dataset(name, data_dir, image_size))  # no split: all of it
 
 
 def reference_statistics(cfg: SampleConfig, image_size: int, extractor) -> dict:

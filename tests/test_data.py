@@ -40,7 +40,7 @@ def test_gpu_and_torch_loaders_yield_the_same_batches():
     for epoch, start in [(0, 0), (1, 4)]:
         a, b = list(gpu.epoch(epoch, start)), list(torch_loader.epoch(epoch, start))
         assert len(a) == len(b) == 6 - start
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert torch.equal(x, y)
             assert x.dtype == torch.float32 and x.shape == (8, 3, 8, 8)
             assert x.min() >= -1 and x.max() <= 1
@@ -60,7 +60,7 @@ def test_loader_flips_and_scales_as_epoch_order_says():
 def test_resumed_epoch_continues_the_same_order():
     loader = data.GPULoader(data.make_shapes(40, 8), 4, seed=0, device='cpu')
     full = list(loader.epoch(0))
-    assert all(torch.equal(a, b) for a, b in zip(full[3:], loader.epoch(0, start=3)))
+    assert all(torch.equal(a, b) for a, b in zip(full[3:], loader.epoch(0, start=3), strict=True))
 
 
 def test_torch_loader_with_workers():
@@ -68,7 +68,7 @@ def test_torch_loader_with_workers():
     loader = data.TorchLoader(dataset, 4, seed=0, device='cpu', num_workers=2)
     reference = data.GPULoader(dataset.images, 4, seed=0, device='cpu')
     for epoch in range(2):  # persistent workers across epochs
-        assert all(torch.equal(a, b) for a, b in zip(loader.epoch(epoch), reference.epoch(epoch)))
+        assert all(torch.equal(a, b) for a, b in zip(loader.epoch(epoch), reference.epoch(epoch), strict=True))
 
 
 def test_ranks_get_disjoint_shards_of_equal_length():

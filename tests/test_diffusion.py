@@ -6,7 +6,7 @@ import torch
 
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
                        make_schedule, p_mean_variance, q_posterior, q_sample, training_loss, vlb_bits_per_dim)
-from model import PRESETS, UNet, get_config
+from model import UNet, get_config
 
 
 def test_linear_schedule_matches_paper_closed_forms():

@@ -38,7 +38,7 @@ def test_ffcv_loader_yields_the_same_batches_as_the_others(beton):
     for epoch, start in [(0, 0), (1, 5)]:
         ours, theirs = list(loader.epoch(epoch, start)), list(reference.epoch(epoch, start))
         assert len(ours) == len(theirs) == 12 - start
-        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
 def test_data_py_command_line(tmp_path, root):

@@ -1,9 +1,8 @@
 import pytest
 import torch
 import torch.nn as nn
-from dataclasses import replace
 
-from model import (PRESETS, UNet, UNetConfig, count_flops, count_params, count_torchinfo_flops,
+from model import (PRESETS, UNet, count_flops, count_params, count_torchinfo_flops,
                    get_config, gpu_peak_key, peak_tflops)
 
 

@@ -204,8 +204,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
 
 def test_ddp_two_gloo_ranks_end_identical(tmp_path, root):
     args = train_args(tmp_path, '--steps', '6', '--dropout', '0.1')
-    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2',
-                             '--master_port', '29517', 'train.py', *args],
+    result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
+                             'train.py', *args],
                             cwd=root, capture_output=True, text=True, timeout=240,
                             env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert result.returncode == 0, result.stderr[-3000:]
