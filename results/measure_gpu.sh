@@ -40,7 +40,8 @@ case "$part" in
   loaders)  python3 benchmark.py --preset ddpm-cifar10 --loader-only --out-dir "$out" 2>&1 | tee "$log"
             python3 benchmark.py --preset ddpm-cifar10 --sweep batch --out-dir "$out" 2>&1 | tee -a "$log" ;;
   quality)  python3 benchmark.py --preset ddpm-cifar10 --quality --steps 2000 --out-dir "$out" 2>&1 | tee "$log" ;;
-  train)    python3 train.py --dataset shapes --shapes-count 50000 --steps 600 --log-every 100 --sample-every 0 \
+  train)    python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" || echo "GPU tests failed: see test_gpu.log"
+            python3 train.py --dataset shapes --shapes-count 50000 --steps 600 --log-every 100 --sample-every 0 \
               --out-dir "$out/train-run" 2>&1 | tee "$log"
             cp "$out/train-run/metrics.jsonl" "$out/train-metrics.jsonl" ;;
   *) echo "unknown part: $part" >&2; exit 2 ;;
