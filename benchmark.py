@@ -190,10 +190,6 @@ def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, datase
     return run
 
 
-def precision_of(row_cfg: train.TrainConfig, device: torch.device) -> str:
-    return train.precision_name(row_cfg, device)
-
-
 def peak_for(precision: str, device: torch.device, bench: BenchConfig):
     """The dense peak the MFU is computed against: the override, the table, or None (n/a)."""
     override = bench.peak_tflops_fp32 if precision in ('fp32', 'tf32') else bench.peak_tflops
@@ -206,7 +202,7 @@ def peak_for(precision: str, device: torch.device, bench: BenchConfig):
 
 def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
     """Adds throughput, TFLOP/s and MFU (device peak and A100 peak) to a timing."""
-    precision = precision_of(row_cfg, device)
+    precision = train.precision_name(row_cfg, device)
     img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
     tflops = img_per_s * flops['train'] / 1e12
     peak = peak_for(precision, device, bench)
@@ -361,10 +357,16 @@ def summary_lines(meta: dict, rows: list, peer) -> str:
     return '\n'.join(lines)
 
 
-def bar_chart(rows: list, peer, title: str, path: str):
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    return plt
+
+
+def bar_chart(rows: list, peer, title: str, path: str):
+    plt = pyplot()
     measured = [r for r in rows if 'img_per_s' in r] + ([peer] if peer and 'img_per_s' in peer else [])
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(measured) + 1.5))
     names = [r['name'] for r in measured][::-1]
@@ -561,7 +563,7 @@ def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_nam
     losses = {'model': train.heldout_losses(run.model, run.sched, heldout, eval_cfg, device),
               'ema': train.heldout_losses(run.ema, run.sched, heldout, eval_cfg, device)}
     release(device)
-    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg, device),
+    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': train.precision_name(row_cfg, device),
             'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
             'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
 
@@ -719,9 +721,7 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
         json.dump(result, f, indent=1)
     with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
         f.write(table + '\n')
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [1, 2]})
     cats = sorted(result['categories'].items(), key=lambda kv: kv[1])
     left.barh([c for c, _ in cats], [ms for _, ms in cats], color='tab:blue')
@@ -780,9 +780,7 @@ def run_sweep(bench: BenchConfig) -> dict:
 
 
 def sweep_plot(results: list, kind: str, meta: dict, path: str):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     measured = [r for r in results if 'img_per_s' in r]
     fig, ax = plt.subplots(figsize=(7, 4))
     labels = [str(r['batch_size']) if kind == 'batch' else r['name'] for r in measured]
@@ -863,9 +861,7 @@ def run_loader_only(bench: BenchConfig) -> dict:
 
 
 def loader_plot(result: dict, path: str):
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     measured = [r for r in result['loaders'] if 'img_per_s' in r]
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(measured) + 1.5))
     ax.barh([r['name'] for r in measured][::-1], [r['img_per_s'] for r in measured][::-1], color='tab:green')
@@ -882,7 +878,7 @@ def loader_plot(result: dict, path: str):
 
 
 def main(argv=None):
-    bench = BenchConfig(**vars(train.build_parser(BenchConfig, __doc__).parse_args(argv)))
+    bench = train.parse_config(argv, BenchConfig, __doc__)
     torch.manual_seed(bench.seed)
     if bench.profile:
         return profile_best_row(bench)

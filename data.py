@@ -463,8 +463,8 @@ class BetonConfig:
 
 def main(argv=None) -> int:
     """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes [...]"""
-    from train import build_parser, one_line
-    cfg = BetonConfig(**vars(build_parser(BetonConfig, main.__doc__).parse_args(argv)))
+    from train import one_line, parse_config
+    cfg = parse_config(argv, BetonConfig, main.__doc__)
     try:
         if not cfg.write_beton:
             raise DataError('nothing to do: pass --write-beton OUT.beton')

@@ -24,7 +24,7 @@ from tqdm import tqdm
 import data
 import diffusion
 from model import UNet, UNetConfig, count_flops
-from train import ConfigError, build_parser, flag, one_line, pick_device
+from train import ConfigError, flag, one_line, parse_config, pick_device
 
 
 @dataclass
@@ -233,7 +233,7 @@ def main(cfg: SampleConfig) -> dict:
 
 
 def cli(argv=None) -> int:
-    cfg = SampleConfig(**vars(build_parser(SampleConfig, __doc__).parse_args(argv)))
+    cfg = parse_config(argv, SampleConfig, __doc__)
     try:
         main(cfg)
     except (ConfigError, data.DataError) as error:

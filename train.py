@@ -115,8 +115,9 @@ def build_parser(config_class=TrainConfig, description=__doc__) -> argparse.Argu
     return parser
 
 
-def parse_config(argv=None) -> TrainConfig:
-    return TrainConfig(**vars(build_parser().parse_args(argv)))
+def parse_config(argv=None, config_class=TrainConfig, description=__doc__):
+    """A config dataclass from command-line arguments (sys.argv when argv is None)."""
+    return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
 
 
 # ----------------------------------------------------------------------------- set-up

@@ -16,8 +16,7 @@ def ckpt(tmp_path_factory):
 
 def test_png_npz_and_grid_outputs(ckpt, tmp_path):
     common = ['--ckpt', ckpt, '--num', '5', '--batch-size', '2', '--steps', '3', '--device', 'cpu']
-    result = sample.main(sample.SampleConfig(**vars(sample.build_parser(sample.SampleConfig).parse_args(
-        common + ['--out', str(tmp_path / 'png')]))))
+    result = sample.main(sample.parse_config(common + ['--out', str(tmp_path / 'png')], sample.SampleConfig))
     files = sorted(p.name for p in (tmp_path / 'png').iterdir())
     assert files == [f'{i:06d}.png' for i in range(5)]
     assert result['images'] == 5 and result['img_per_s'] > 0
