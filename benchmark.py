@@ -384,25 +384,32 @@ def bar_chart(rows: list, peer, title: str, path: str):
     plt.close(fig)
 
 
+def save_report(out_dir: str, stem: str, result: dict, markdown: str) -> str:
+    """Writes OUT_DIR/STEM.json and .md; returns the path of the .png that goes beside them."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, stem)
+    with open(path + '.json', 'w') as f:
+        json.dump(result, f, indent=1)
+    with open(path + '.md', 'w') as f:
+        f.write(markdown + '\n')
+    return path + '.png'
+
+
 def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig) -> dict:
-    os.makedirs(bench.out_dir, exist_ok=True)
     measured = [r for r in rows if 'img_per_s' in r]
     best = max(measured, key=lambda r: r['img_per_s']) if measured else None
     if peer is not None and 'img_per_s' in peer and best:
         peer = {**peer, 'ratio': best['img_per_s'] / peer['img_per_s']}
     result = {**meta, 'rows': rows, 'peer': peer}
-    paths = {ext: os.path.join(bench.out_dir, f'{stem}.{ext}') for ext in ('json', 'md', 'png')}
-    with open(paths['json'], 'w') as f:
-        json.dump(result, f, indent=1)
     table = markdown_table(rows, peer)
     if meta.get('sampling'):
         table += '\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n' + sampling_table(meta['sampling'])
-    with open(paths['md'], 'w') as f:
-        f.write(f"# Training speed: {meta['preset']} on {meta['device']}\n\n{summary_lines(meta, rows, peer)}\n\n{table}\n")
-    bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", paths['png'])
+    png = save_report(bench.out_dir, stem, result, f"# Training speed: {meta['preset']} on {meta['device']}\n\n"
+                                                   f"{summary_lines(meta, rows, peer)}\n\n{table}")
+    bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
     print(table)
     print(summary_lines(meta, rows, peer))
-    print('wrote ' + ', '.join(paths.values()))
+    print(f'wrote {png[:-4]}.json, .md and .png')
     return result
 
 
@@ -621,11 +628,7 @@ def write_quality(result: dict, bench: BenchConfig, device: torch.device):
                      f"{c['baseline_other_seed']['relative_difference']:+.2%} | {result['agree_within_noise'][weights]} |")
     table = '\n'.join(lines)
     os.makedirs(bench.out_dir, exist_ok=True)
-    stem = os.path.join(bench.out_dir, f'quality-{device_slug(device)}-{result["preset"]}')
-    with open(stem + '.json', 'w') as f:
-        json.dump(result, f, indent=1)
-    with open(stem + '.md', 'w') as f:
-        f.write(table + '\n')
+    save_report(bench.out_dir, f'quality-{device_slug(device)}-{result["preset"]}', result, table)
     print(table)
 
 
@@ -717,10 +720,7 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
         lines.append(f"| `{name}` | {op['category']} | {op['calls']} | {op['ms_per_iter']:.3f} | "
                      f"{op['ms_per_iter'] / total:.1%} |")
     table = '\n'.join(lines)
-    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
-        f.write(table + '\n')
+    png = save_report(bench.out_dir, stem, result, table)
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [1, 2]})
     cats = sorted(result['categories'].items(), key=lambda kv: kv[1])
@@ -734,7 +734,7 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
     right.set_title('top ops / kernels (self time)', fontsize=9)
     fig.suptitle(f"{result['preset']}, {result['row']}, {result['device']}, torch {result['torch']}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(os.path.join(bench.out_dir, f'{stem}.png'), dpi=110)
+    fig.savefig(png, dpi=110)
     plt.close(fig)
     print(table)
 
@@ -767,14 +767,11 @@ def run_sweep(bench: BenchConfig) -> dict:
     add_speedups(results)  # relative to the sweep's first point
     meta = header(bench, device, flops, dataset_name)
     stem = f'{device_slug(device)}-{bench.preset}-sweep-{bench.sweep}'
-    os.makedirs(bench.out_dir, exist_ok=True)
-    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
-        json.dump({**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results}, f, indent=1)
     table = markdown_table(results, None)
-    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
-        f.write(f"# Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}\n\n"
-                f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\nCommand: {meta['command']}\n\n{table}\n")
-    sweep_plot(results, bench.sweep, meta, os.path.join(bench.out_dir, f'{stem}.png'))
+    png = save_report(bench.out_dir, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
+                      f"# Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}\n\n"
+                      f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\nCommand: {meta['command']}\n\n{table}")
+    sweep_plot(results, bench.sweep, meta, png)
     print(table)
     return {**meta, 'rows': results}
 
@@ -850,12 +847,7 @@ def run_loader_only(bench: BenchConfig) -> dict:
             ratio = r['img_per_s'] / result['step_img_per_s'] if result['step_img_per_s'] else None
             lines.append(f"| {r['name']} | {r['img_per_s']:,.0f} | {fmt(ratio, '.1f')} |")
     table = '\n'.join(lines)
-    os.makedirs(bench.out_dir, exist_ok=True)
-    with open(os.path.join(bench.out_dir, f'{stem}.json'), 'w') as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(bench.out_dir, f'{stem}.md'), 'w') as f:
-        f.write(table + '\n')
-    loader_plot(result, os.path.join(bench.out_dir, f'{stem}.png'))
+    loader_plot(result, save_report(bench.out_dir, stem, result, table))
     print(table)
     return result
 

@@ -301,18 +301,17 @@ class TorchLoader(Loader):
                                  flips[b * self.batch_size:(b + 1) * self.batch_size])
 
 
-def choose_loader(kind: str, dataset: Dataset, device) -> str:
+def choose_loader(kind: str, dataset_bytes: int, device) -> str:
     """'auto': the device-resident loader ('gpu') when the uint8 set takes under a quarter of
     the device's free memory (RAM for the CPU), else the DataLoader."""
     if kind != 'auto':
         return kind
     device = torch.device(device)
-    needed = len(dataset) * dataset[0].numel()
     if device.type == 'cuda':
         free = torch.cuda.mem_get_info(device)[0]
     else:
         free = os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
-    return 'gpu' if needed < free / 4 else 'torch'
+    return 'gpu' if dataset_bytes < free / 4 else 'torch'
 
 
 # ----------------------------------------------------------------------------- FFCV
@@ -414,14 +413,14 @@ class FFCVLoader(Loader):
     inside its pipeline; the epoch order, flips and conversion are the same as the other
     loaders' (flips and conversion run on the device, like theirs)."""
 
-    def __init__(self, path: str, batch_size: int, seed: int, device, num_workers: int = 4, rank=0, world_size=1):
-        _require_ffcv()
+    def __init__(self, dataset: BetonDataset, batch_size: int, seed: int, device, num_workers: int = 4,
+                 rank=0, world_size=1):
         from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
         import numba
-        super().__init__(len(BetonDataset(path)), batch_size, seed, rank, world_size)
+        super().__init__(len(dataset), batch_size, seed, rank, world_size)
         self.device = torch.device(device)
         self.num_workers = max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS))  # numba's ceiling: the cores
-        self.ffcv = FFCVLoaderBase(path, batch_size=batch_size, num_workers=self.num_workers, drop_last=True,
+        self.ffcv = FFCVLoaderBase(dataset.path, batch_size=batch_size, num_workers=self.num_workers, drop_last=True,
                                    order=OrderOption.SEQUENTIAL, os_cache=True,
                                    pipelines={'image': _ffcv_pipeline(self.device)})
 
@@ -443,7 +442,7 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
         if not isinstance(dataset, BetonDataset):
             raise DataError('--loader ffcv reads a .beton file: pass --data-dir FILE.beton '
                             '(write one with python data.py --write-beton FILE.beton --dataset ...)')
-        return FFCVLoader(dataset.path, batch_size, seed, device, num_workers, rank, world_size)
+        return FFCVLoader(dataset, batch_size, seed, device, num_workers, rank, world_size)
     raise DataError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
 
 

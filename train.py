@@ -391,11 +391,12 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
         torch.backends.cudnn.benchmark = True
     if dataset is None:
         dataset = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
-    stored = tuple(dataset[0].shape[-2:])
+    first = dataset[0]  # decoding one image is not free (a folder, a .beton): once
+    stored = tuple(first.shape[-2:])
     if stored != (cfg.image_size, cfg.image_size):
         raise data.DataError(f'the images of {cfg.data_dir} are {stored[0]}x{stored[1]}, not --image-size '
                              f'{cfg.image_size}: pass --image-size {stored[0]} or rewrite the .beton')
-    loader_kind = data.choose_loader(cfg.loader, dataset, device)
+    loader_kind = data.choose_loader(cfg.loader, len(dataset) * first.numel(), device)
     loader = data.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
                               cfg.num_workers, rank, world_size, progress=progress)
     model = (make_model or UNet)(model_config_of(cfg)).to(device)

@@ -149,5 +149,5 @@ def test_cifar10_offline_without_a_copy_says_what_to_do(tmp_path, monkeypatch):
 
 def test_choose_loader():
     dataset = data.ImageTensorDataset(data.make_shapes(4, 8))
-    assert data.choose_loader('torch', dataset, 'cpu') == 'torch'
-    assert data.choose_loader('auto', dataset, 'cpu') == 'gpu'  # tiny set: device-resident
+    assert data.choose_loader('torch', len(dataset) * dataset[0].numel(), 'cpu') == 'torch'
+    assert data.choose_loader('auto', len(dataset) * dataset[0].numel(), 'cpu') == 'gpu'  # tiny set: device-resident
