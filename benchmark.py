@@ -28,14 +28,15 @@ import torch
 
 import data
 import train
-from train import flag
-from model import (A100_PEAK_TFLOPS, UNet, count_flops, count_params, count_torchinfo_flops, get_config, gpu_peak_key,
-                   peak_tflops)
+from data import flag
+from model import (A100_PEAK_TFLOPS, PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, diffusers_config,
+                   get_config, gpu_peak_key, peak_tflops)
 
 
 @dataclass
 class BenchConfig:
-    preset: str = flag('ddpm-cifar10', 'UNet preset (small is the ~9M UNet of the reference table)')
+    preset: str = flag('ddpm-cifar10', 'UNet preset (small is the ~9M UNet of the reference table)',
+                       choices=tuple(PRESETS))
     image_size: int = flag(32, 'image resolution')
     dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10 or shapes',
                          choices=('auto', 'cifar10', 'shapes'))
@@ -49,23 +50,34 @@ class BenchConfig:
     warmup: int = flag(10, 'untimed iterations after the first (compiling) one')
     iters: int = flag(50, 'timed iterations per row; the median is reported')
     rows: str = flag('', 'comma-separated substrings: run only the rows whose names contain one')
+    from_row: str = flag('', 'the ladder row that --profile, --quality, --loader-only, --sweep and --sampling-only '
+                             'start from (a substring of its name; default: the fastest row in the default compile '
+                             'mode, which is what train.py runs)')
+    tf32: bool = flag(False, 'let the fp32 rows use TF32 tensor cores (then their MFU is against the TF32 peak); '
+                             'off by default, so that fp32 is fp32 and compares with the reference table\'s 19.5')
+    stem: str = flag('', 'output file name stem (default: <gpu>-<preset>, plus the mode)')
     peer: bool = flag(True, "time diffusers' UNet2DModel of the same architecture, where installed")
     peak_tflops: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the mixed-precision rows (overrides the table)')
     peak_tflops_fp32: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the fp32/TF32 rows (overrides the table)')
     quick: bool = flag(False, 'a smoke run: few iterations, small batches; on CPU torch.compile uses '
-                               'the aot_eager backend (inductor\'s C++ build takes minutes per graph)')
+                               'the eager backend (dynamo traces the model, the graph runs eagerly: inductor\'s C++ build '
+                               'takes minutes per graph); sampling takes DDIM-10 and DDPM over T=100')
     profile: bool = flag(False, 'profile the best row: Chrome/Perfetto trace, top ops table and chart')
-    sweep: str = flag('', 'sweep one setting around the best row, with a plot',
+    sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
                        choices=('', 'batch', 'workers', 'amp', 'compile'))
+    sweep_values: str = flag('', 'comma-separated batch sizes or worker counts for --sweep batch|workers '
+                                 '(default: 64 to 4096, or 0 2 4 8 workers)')
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
     sampling: bool = flag(True, 'after the ladder, time DDIM-50 and DDPM-1000 sampling (its own table)')
+    sampling_only: bool = flag(False, 'time only the sampling (DDIM-50, DDPM-1000), no training rows')
     sample_batch: int = flag(1000, 'images per sampling batch')
     sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
                                     choices=('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'))
     quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
                                 'speed-ups (same seed, data, batch) and compare held-out losses')
     steps: int = flag(2000, 'training steps of each --quality run')
-    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    out_dir: str = flag('', 'where the JSON, Markdown and PNG go (default: results/ on a GPU, runs/benchmark/ on '
+                            'a CPU, so that smoke runs stay out of the committed results)')
     seed: int = flag(0, 'seed')
 
 
@@ -186,7 +198,7 @@ def release(device: torch.device):
 def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None) -> train.Run:
     run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)
     if row_cfg.compile and device.type == 'cpu' and bench.quick:
-        run.net = torch.compile(run.model, backend='aot_eager')
+        run.net = torch.compile(run.model, backend='eager')
     return run
 
 
@@ -206,32 +218,47 @@ def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, devic
     img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
     tflops = img_per_s * flops['train'] / 1e12
     peak = peak_for(precision, device, bench)
-    a100_peak = A100_PEAK_TFLOPS['fp32'] if precision in ('fp32', 'tf32') else A100_PEAK_TFLOPS[precision]
+    a100_peak = A100_PEAK_TFLOPS[precision]  # fp32 19.5, TF32 156, bf16/fp16 312
     return {**result, 'precision': precision, 'img_per_s': img_per_s, 'tflops': tflops,
             'tflops_torchinfo': img_per_s * flops['torchinfo_train'] / 1e12,
             'mfu': tflops / peak if peak else None, 'peak_tflops': peak, 'mfu_a100': tflops / a100_peak}
 
 
 def run_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
+    """One row's timing; a row that cannot run here is 'skipped', one that raises is 'failed'
+    (with the reason): the run goes on either way."""
     entry = {'name': row.name, 'batch_size': row.batch_size, 'settings': asdict(row)}
     reason = skip_reason(row, device)
     if reason:
         return {**entry, 'skipped': reason}
-    row_cfg = row_train_config(row, bench, device, dataset_name)
-    if row.loader == 'ffcv':
-        dataset = beton_for(bench, dataset_name, dataset)
-        row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=dataset.path)
+    run = None
     try:
+        row_cfg = row_train_config(row, bench, device, dataset_name)
+        if row.loader == 'ffcv':
+            dataset = beton_for(bench, dataset_name, dataset)
+            row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=dataset.path)
         run = build_row_run(row_cfg, bench, device, dataset, make_model)
         result = describe(time_training(run, bench), row_cfg, bench, device, flops)
     except torch.cuda.OutOfMemoryError as error:
-        return {**entry, 'skipped': f'out of memory: {str(error).splitlines()[0]}'}
+        return {**entry, 'failed': f'out of memory ({data.brief(error, 200)})'}
+    except Exception as error:  # a compile mode or a peer that breaks costs its row, not the table
+        return {**entry, 'failed': data.brief(error, 300)}
     finally:
         run = None
         release(device)
     if row_cfg.compile and device.type == 'cpu' and bench.quick:
-        result['note'] = 'torch.compile with backend=aot_eager (--quick on CPU)'
+        result['note'] = 'torch.compile with backend=eager (--quick on CPU)'
     return {**entry, **result}
+
+
+def row_line(index: int, total: int, r: dict) -> str:
+    """The one line a row prints when it is done."""
+    head = f'[{index}/{total}] {r["name"]}: '
+    if 'failed' in r or 'skipped' in r:
+        return head + ('FAILED: ' + r['failed'] if 'failed' in r else 'skipped: ' + r['skipped'])
+    return head + (f"{r['ms_per_iter']:.2f} ms/iter, {r['img_per_s']:,.0f} img/s, {r['tflops']:.2f} TFLOP/s, "
+                   f"MFU {fmt(r['mfu'], '.1%')} ({r['precision']}), {fmt(r.get('speedup'), '.2f')}x; "
+                   f"first iteration {r['compile_s']:.1f} s")
 
 
 def add_speedups(rows: list):
@@ -244,23 +271,14 @@ def add_speedups(rows: list):
 # ----------------------------------------------------------------------------- the peer
 
 class DiffusersUNet(torch.nn.Module):
-    """diffusers' UNet2DModel built with our preset's architecture, called as model(x, t)."""
+    """diffusers' UNet2DModel in the configuration that computes the same function as our
+    UNet (model.diffusers_config: google/ddpm-cifar10-32's for ddpm-cifar10), as model(x, t)."""
 
     def __init__(self, config):
         super().__init__()
         from diffusers import UNet2DModel
-        levels = range(len(config.channel_mults))
-        has_attn = [config.image_size // 2 ** i in config.attn_resolutions for i in levels]
-        channels = tuple(config.base_channels * m for m in config.channel_mults)
         self.config = config
-        self.unet = UNet2DModel(
-            sample_size=config.image_size, in_channels=config.in_channels, out_channels=config.in_channels,
-            block_out_channels=channels, layers_per_block=config.blocks_per_level,
-            down_block_types=tuple('AttnDownBlock2D' if a else 'DownBlock2D' for a in has_attn),
-            up_block_types=tuple('AttnUpBlock2D' if a else 'UpBlock2D' for a in reversed(has_attn)),
-            attention_head_dim=None if config.num_heads == 1 else channels[has_attn.index(True)] // config.num_heads,
-            norm_num_groups=config.norm_groups, dropout=config.dropout, flip_sin_to_cos=False, freq_shift=1,
-            time_embedding_type='positional', act_fn='silu')
+        self.unet = UNet2DModel(**diffusers_config(config))
 
     def forward(self, x, t):
         return self.unet(x, t).sample
@@ -274,9 +292,11 @@ def diffusers_missing_reason() -> typing.Optional[str]:
     return None
 
 
-def run_peer(best: Row, bench, device, dataset, dataset_name, flops) -> dict:
+def run_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """diffusers under the settings of our fastest row (compile, precision, channels-last, fused
-    Adam, data path, batch); its attention is its own default, SDPA."""
+    Adam, data path, batch); its attention is its own default, SDPA. Our fastest row is timed
+    again right after it, so that the ratio compares two neighbouring timings, not a drift of
+    the GPU's clocks between the start and the end of the ladder."""
     reason = diffusers_missing_reason()
     if reason:
         return {'name': 'diffusers UNet2DModel', 'skipped': reason}
@@ -284,6 +304,14 @@ def run_peer(best: Row, bench, device, dataset, dataset_name, flops) -> dict:
     result = run_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)
     from diffusers import __version__ as version
     result['diffusers'] = version
+    if 'img_per_s' not in result:
+        return result
+    again = run_row(best, bench, device, dataset, dataset_name, flops)
+    result.update(ours=best.name, ours_first={k: best_result[k] for k in ('ms_per_iter', 'img_per_s')},
+                  ratio_first_timing=best_result['img_per_s'] / result['img_per_s'])
+    if 'img_per_s' in again:
+        result.update(ours_again={k: again[k] for k in ('ms_per_iter', 'img_per_s')},
+                      ratio=again['img_per_s'] / result['img_per_s'])
     return result
 
 
@@ -330,10 +358,11 @@ def markdown_table(rows: list, peer: typing.Optional[dict]) -> str:
     lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup | Peak mem (GB) |',
              '| :- | -: | :- | -: | -: | -: | -: | -: | -: | -: |']
     for r in rows + ([peer] if peer else []):
-        if 'skipped' in r:
-            lines.append(f"| {r['name']} | {r.get('batch_size', '')} | skipped: {r['skipped']} | | | | | | | |")
+        if 'skipped' in r or 'failed' in r:
+            why = f"skipped: {r['skipped']}" if 'skipped' in r else f"FAILED: {r['failed']}"
+            lines.append(f"| {r['name']} | {r.get('batch_size', '')} | {why} | | | | | | | |")
             continue
-        precision = {'tf32': 'fp32 (TF32 convs)'}.get(r['precision'], r['precision'])
+        precision = {'tf32': 'fp32 (TF32 allowed)'}.get(r['precision'], r['precision'])
         lines.append(f"| {r['name']} | {r['batch_size']} | {precision} | {r['ms_per_iter']:.2f} | "
                      f"{r['img_per_s']:,.0f} | {r['tflops']:.2f} | {fmt(r['mfu'], '.1%')} | "
                      f"{r['mfu_a100']:.1%} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} | "
@@ -349,11 +378,12 @@ def summary_lines(meta: dict, rows: list, peer) -> str:
              f"torchinfo MACs x 2 x 3: {flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, "
              f"no attention). TFLOP/s and MFU below use the first.",
              f"Command: {meta['command']}"]
-    measured = [r for r in rows if 'img_per_s' in r]
-    if peer and 'img_per_s' in peer and measured:
-        best = max(measured, key=lambda r: r['img_per_s'])
-        lines.append(f"Our best row ({best['name']}) runs at {best['img_per_s'] / peer['img_per_s']:.2f}x "
-                     f"the throughput of diffusers {peer.get('diffusers', '')} UNet2DModel under the same settings.")
+    if peer and peer.get('ratio'):
+        again = peer['ours_again']
+        lines.append(f"Our fastest row ({peer['ours']}), timed again right after the peer: {again['img_per_s']:,.0f} "
+                     f"img/s, {peer['ratio']:.2f}x the {peer['img_per_s']:,.0f} img/s of diffusers "
+                     f"{peer.get('diffusers', '')} UNet2DModel (the same function) under the same settings "
+                     f"(first timing of our row: {peer['ratio_first_timing']:.2f}x).")
     return '\n'.join(lines)
 
 
@@ -385,46 +415,52 @@ def bar_chart(rows: list, peer, title: str, path: str):
 
 
 def save_report(out_dir: str, stem: str, result: dict, markdown: str) -> str:
-    """Writes OUT_DIR/STEM.json and .md; returns the path of the .png that goes beside them."""
+    """Writes OUT_DIR/STEM.json and .md, each by a rename (a run killed mid-write leaves the
+    previous version whole); returns the path of the .png that goes beside them."""
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, stem)
-    with open(path + '.json', 'w') as f:
-        json.dump(result, f, indent=1)
-    with open(path + '.md', 'w') as f:
-        f.write(markdown + '\n')
+    for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown + '\n')):
+        with open(path + ext + '.tmp', 'w') as f:
+            f.write(text)
+        os.replace(path + ext + '.tmp', path + ext)
     return path + '.png'
 
 
-def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig) -> dict:
-    measured = [r for r in rows if 'img_per_s' in r]
-    best = max(measured, key=lambda r: r['img_per_s']) if measured else None
-    if peer is not None and 'img_per_s' in peer and best:
-        peer = {**peer, 'ratio': best['img_per_s'] / peer['img_per_s']}
-    result = {**meta, 'rows': rows, 'peer': peer}
+def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig, final: bool = True) -> dict:
+    """The ladder's JSON and Markdown, rewritten after every row (final=False: quietly, with
+    'complete': false in the JSON), so that a run killed at a time limit keeps its rows; the
+    chart and the printed table at the end."""
+    result = {**meta, 'complete': final, 'rows': rows, 'peer': peer}
     table = markdown_table(rows, peer)
     if meta.get('sampling'):
         table += '\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n' + sampling_table(meta['sampling'])
+    status = '' if final else '\n\n(incomplete: the run was still going, or was stopped, when this was written)'
     png = save_report(bench.out_dir, stem, result, f"# Training speed: {meta['preset']} on {meta['device']}\n\n"
-                                                   f"{summary_lines(meta, rows, peer)}\n\n{table}")
-    bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
-    print(table)
-    print(summary_lines(meta, rows, peer))
-    print(f'wrote {png[:-4]}.json, .md and .png')
+                                                   f"{summary_lines(meta, rows, peer)}\n\n{table}{status}")
+    if final:  # the chart once, at the end (matplotlib costs about a second)
+        bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
+        print(table)
+        print(summary_lines(meta, rows, peer))
+        print(f'wrote {png[:-4]}.json, .md and .png')
     return result
 
 
 # ----------------------------------------------------------------------------- modes
 
-def prepare(bench: BenchConfig):
+def prepare(bench: BenchConfig, need_data: bool = True):
+    """(the bench config as --quick shrinks it, device, data set name, data set, FLOP counts).
+    fp32 rows run true fp32 unless --tf32: TF32 convolutions (PyTorch's default) are 8x the
+    fp32 peak, and would make the fp32 rows' MFU against 19.5 TFLOP/s read several hundred %."""
     device = train.pick_device(bench.device, 0)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
     if bench.quick:
-        bench = dataclasses.replace(bench, warmup=min(bench.warmup, 1), iters=min(bench.iters, 3),
+        bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2),
                                     batch_size=min(bench.batch_size, 4), big_batch=min(bench.big_batch, 8),
                                     num_images=min(bench.num_images, 256), num_workers=min(bench.num_workers, 2))
         if device.type == 'cpu':
             bench = dataclasses.replace(bench, image_size=min(bench.image_size, 16))
-    dataset_name, dataset = load_data(bench)
-    config = train.model_config_of(row_train_config(Row('probe', bench.batch_size), bench, device, dataset_name))
+    dataset_name, dataset = load_data(bench) if need_data else ('none', None)
+    config = get_config(bench.preset, image_size=bench.image_size)
     flops = count_flops(config, bench.image_size)
     torchinfo = count_torchinfo_flops(config, bench.image_size)
     flops.update(torchinfo_forward=torchinfo['forward'], torchinfo_train=torchinfo['train'],
@@ -454,26 +490,42 @@ def load_data(bench: BenchConfig):
     return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
 
 
+def selected_rows(bench: BenchConfig, device: torch.device) -> list:
+    wanted = [w.strip().lower() for w in bench.rows.split(',') if w.strip()]
+    return [r for r in ladder(bench, device) if not wanted or any(w in r.name.lower() for w in wanted)]
+
+
+def output_stem(bench: BenchConfig, device: torch.device, mode: str = '') -> str:
+    return bench.stem or f"{device_slug(device)}-{bench.preset}{'-' + mode if mode else ''}"
+
+
 def run_ladder(bench: BenchConfig) -> dict:
+    """The ladder, one row at a time; the report is rewritten after every row, the peer and
+    each sampler, and a row that fails is reported as failed while the others go on."""
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    rows = [r for r in ladder(bench, device)
-            if not bench.rows or any(s.strip().lower() in r.name.lower() for s in bench.rows.split(','))]
-    results = []
-    for row in rows:
-        print(f'[{len(results) + 1}/{len(rows)}] {row.name} ...', flush=True)
+    rows = selected_rows(bench, device)
+    meta = {**header(bench, device, flops, dataset_name), 'rows_planned': [row.name for row in rows]}
+    stem, results, peer = output_stem(bench, device), [], None
+    for index, row in enumerate(rows, 1):
+        print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
         results.append(run_row(row, bench, device, dataset, dataset_name, flops))
-    add_speedups(results)
+        add_speedups(results)
+        print(row_line(index, len(rows), results[-1]), flush=True)
+        write_outputs(stem, meta, results, peer, bench, final=False)
     measured = [(row, r) for row, r in zip(rows, results) if 'img_per_s' in r]
-    peer = None
     if bench.peer and measured:
-        best_row = max(measured, key=lambda pair: pair[1]['img_per_s'])[0]
-        print('peer: diffusers UNet2DModel ...', flush=True)
-        peer = run_peer(best_row, bench, device, dataset, dataset_name, flops)
+        fastest = max(measured, key=lambda pair: pair[1]['img_per_s'])
+        print('peer: diffusers UNet2DModel, then our fastest row again ...', flush=True)
+        peer = run_peer(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
         add_speedups([results[0], peer])
-    meta = header(bench, device, flops, dataset_name)
+        print(row_line(len(rows) + 1, len(rows) + 1, peer), flush=True)
+        write_outputs(stem, meta, results, peer, bench, final=False)
     if bench.sampling:
-        meta['sampling'] = run_sampling(bench, device, flops)
-    return write_outputs(f'{device_slug(device)}-{bench.preset}', meta, results, peer, bench)
+        meta['sampling'] = []
+        for sampler_row in run_sampling(bench, device, flops):
+            meta['sampling'].append(sampler_row)
+            write_outputs(stem, meta, results, peer, bench, final=False)
+    return write_outputs(stem, meta, results, peer, bench)
 
 
 # ----------------------------------------------------------------------------- sampling speed
@@ -505,37 +557,59 @@ def time_sampler(sample_once, device: torch.device, repeats: int) -> tuple:
     return first, statistics.median(clock.intervals_ms()) / 1e3
 
 
-def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> list:
-    """img/s and MFU of DDIM-50 and DDPM-1000 on one batch of `--sample-batch` images."""
+def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typing.Iterator[dict]:
+    """img/s and MFU of DDIM-50 and DDPM-1000 on one batch of `--sample-batch` images, a row
+    as each is done."""
     from diffusion import ddim_sample, ddpm_sample, make_schedule
     model, precision, settings = sampling_model(bench, device)
-    sched = make_schedule(1000).to(device)
+    quick_cpu = bench.quick and device.type == 'cpu'
+    ddim_steps, num_steps = (10, 100) if quick_cpu else (50, 1000)  # --quick on a CPU: the wiring, not the speed
+    sched = make_schedule(num_steps).to(device)
     batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
     shape = (batch, 3, bench.image_size, bench.image_size)
-    generator = torch.Generator().manual_seed(bench.seed)
+    generator = torch.Generator(device).manual_seed(bench.seed)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == 'bf16')
-    rows = []
-    for name, steps, sample in [('DDIM-50', 50, lambda: ddim_sample(model, sched, shape, 50, generator=generator, device=device)),
-                                ('DDPM-1000', 1000, lambda: ddpm_sample(model, sched, shape, generator, device))]:
+    for name, steps, repeats, sample in [
+            (f'DDIM-{ddim_steps}', ddim_steps, 1 if bench.quick else 3,
+             lambda: ddim_sample(model, sched, shape, ddim_steps, generator=generator, device=device)),
+            (f'DDPM-{num_steps}', num_steps, 1,
+             lambda: ddpm_sample(model, sched, shape, generator, device))]:
         print(f'sampling: {name} ...', flush=True)
         try:
             with autocast:
-                first, seconds = time_sampler(sample, device, repeats=1 if bench.quick or steps == 1000 else 3)
+                first, seconds = time_sampler(sample, device, repeats)
         except Exception as error:  # a sampler that fails here is reported, not fatal to the table
-            rows.append({'name': name, 'error': one_line_error(error)})
+            yield {'name': name, 'error': one_line_error(error)}
             continue
         tflops = batch * steps * flops['forward'] / seconds / 1e12
         peak = peak_for(precision, device, bench)
-        rows.append({'name': name, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
-                     'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds,
-                     'tflops': tflops, 'mfu': tflops / peak if peak else None,
-                     'seconds_for_50k': 50000 / (batch / seconds)})
+        yield {'name': name, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
+               'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds,
+               'tflops': tflops, 'mfu': tflops / peak if peak else None, 'seconds_for_50k': 50000 / (batch / seconds),
+               'timed_calls': repeats}
     release(device)
-    return rows
+
+
+def run_sampling_only(bench: BenchConfig) -> dict:
+    bench, device, dataset_name, _, flops = prepare(bench, need_data=False)
+    meta = header(bench, device, flops, dataset_name)
+    stem, rows = output_stem(bench, device, 'sampling'), []
+
+    def report(final: bool) -> dict:
+        result = {**meta, 'complete': final, 'sampling': rows}
+        save_report(bench.out_dir, stem, result, f"# Sampling speed: {meta['preset']} on {meta['device']}\n\n"
+                                                 f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\n"
+                                                 f"Command: {meta['command']}\n\n{sampling_table(rows)}")
+        return result
+    for row in run_sampling(bench, device, flops):
+        rows.append(row)
+        report(final=False)
+    print(sampling_table(rows))
+    return report(final=True)
 
 
 def one_line_error(error: Exception) -> str:
-    return f'{type(error).__name__}: ' + (str(error).strip().splitlines() or [''])[0][:300]
+    return data.brief(error, 300)
 
 
 def sampling_table(rows: list) -> str:
@@ -589,7 +663,7 @@ def run_quality(bench: BenchConfig) -> dict:
     if bench.quick:
         bench = dataclasses.replace(bench, steps=min(bench.steps, 20))
     baseline = Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)
-    fast = dataclasses.replace(best_runnable_row(bench, device), name='All speed-ups', batch_size=bench.batch_size)
+    fast = dataclasses.replace(start_row(bench, device), name='All speed-ups', batch_size=bench.batch_size)
     runs = []
     for row, seed in [(baseline, bench.seed), (fast, bench.seed), (baseline, bench.seed + 1)]:
         print(f'quality: {row.name}, seed {seed}, {bench.steps} steps ...', flush=True)
@@ -628,13 +702,21 @@ def write_quality(result: dict, bench: BenchConfig, device: torch.device):
                      f"{c['baseline_other_seed']['relative_difference']:+.2%} | {result['agree_within_noise'][weights]} |")
     table = '\n'.join(lines)
     os.makedirs(bench.out_dir, exist_ok=True)
-    save_report(bench.out_dir, f'quality-{device_slug(device)}-{result["preset"]}', result, table)
+    save_report(bench.out_dir, bench.stem or f'quality-{device_slug(device)}-{result["preset"]}', result, table)
     print(table)
 
 
-def best_runnable_row(bench: BenchConfig, device: torch.device) -> Row:
-    """The last ladder row that can run here (it holds every change above it)."""
-    return [r for r in ladder(bench, device) if not skip_reason(r, device)][-1]
+def start_row(bench: BenchConfig, device: torch.device) -> Row:
+    """The row the other modes start from: --from-row, or the last runnable row in the default
+    compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
+    runnable = [r for r in ladder(bench, device) if not skip_reason(r, device)]
+    if bench.from_row:
+        named = [r for r in runnable if bench.from_row.lower() in r.name.lower()]
+        if not named:
+            raise train.ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
+                                    f"{'; '.join(r.name for r in runnable)}")
+        return named[0]
+    return [r for r in runnable if r.compile_mode == 'default'][-1]
 
 
 # Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
@@ -673,7 +755,7 @@ def profile_rows(prof, device: torch.device) -> list:
 
 def profile_best_row(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    row = best_runnable_row(bench, device)
+    row = start_row(bench, device)
     row_cfg = row_train_config(row, bench, device, dataset_name)
     run = build_row_run(row_cfg, bench, device, dataset)
     stream = train.batches(run, 0)
@@ -687,7 +769,7 @@ def profile_best_row(bench: BenchConfig) -> dict:
             train.train_step(run, next(stream), step)
             prof.step()
         synchronize(device)
-    stem = f'{device_slug(device)}-{bench.preset}-profile'
+    stem = output_stem(bench, device, 'profile')
     os.makedirs(os.path.join(bench.out_dir, 'traces'), exist_ok=True)
     trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
     prof.export_chrome_trace(trace)
@@ -709,7 +791,7 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
     total = result['total_ms_per_iter'] or 1.0
     lines = [f"# Profile: {result['preset']}, {result['row']}, on {result['device']}", '',
              f"torch {result['torch']}, {result['date']}, commit {result['commit']}; self time per iteration "
-             f"({'kernels' if 'cpu' not in stem else 'CPU ops'}), mean of {result['active_iterations']} profiled "
+             f"({'CPU ops' if result['device'].startswith('CPU') else 'kernels'}), mean of {result['active_iterations']} profiled "
              f"iterations. Trace for chrome://tracing or ui.perfetto.dev: `{result['trace']}`.", '',
              f"Command: {result['command']}", '', '| Category | ms/iter | share |', '| :- | -: | -: |']
     for category, ms in sorted(result['categories'].items(), key=lambda kv: -kv[1]):
@@ -742,11 +824,12 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
 def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -> list:
     """Variants of the best row along one setting."""
     cuda = device.type == 'cuda'
+    values = [int(v) for v in bench.sweep_values.split(',') if v.strip()] if bench.sweep_values else None
     if kind == 'batch':
-        sizes = [4, 8, 16] if bench.quick else [64, 128, 256, 512, 1024, 2048, 4096]
+        sizes = values or ([4, 8, 16] if bench.quick else [64, 128, 256, 512, 1024, 2048, 4096])
         return [dataclasses.replace(best, name=f'batch {b}', batch_size=b) for b in sizes]
     if kind == 'workers':
-        counts = [0, 2] if bench.quick else [0, 2, 4, 8]
+        counts = values or ([0, 2] if bench.quick else [0, 2, 4, 8])
         return [dataclasses.replace(best, name=f'torch loader, {n} workers', loader='torch', num_workers=n)
                 for n in counts]
     if kind == 'amp':
@@ -759,14 +842,14 @@ def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -
 
 def run_sweep(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    best = best_runnable_row(bench, device)
+    best = start_row(bench, device)
     results = []
     for row in sweep_rows(bench.sweep, best, bench, device):
         print(f'{row.name} ...', flush=True)
         results.append(run_row(row, bench, device, dataset, dataset_name, flops))
     add_speedups(results)  # relative to the sweep's first point
     meta = header(bench, device, flops, dataset_name)
-    stem = f'{device_slug(device)}-{bench.preset}-sweep-{bench.sweep}'
+    stem = output_stem(bench, device, f'sweep-{bench.sweep}')
     table = markdown_table(results, None)
     png = save_report(bench.out_dir, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
                       f"# Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}\n\n"
@@ -811,7 +894,7 @@ def time_loader(loader, batches: int, device: torch.device) -> float:
 
 def run_loader_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    best = best_runnable_row(bench, device)
+    best = start_row(bench, device)
     batch, batches = best.batch_size, (5 if bench.quick else 100)
     paths = [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', None), ('ffcv', None)]
     results = []
@@ -835,7 +918,7 @@ def run_loader_only(bench: BenchConfig) -> dict:
     meta = header(bench, device, flops, dataset_name)
     result = {**meta, 'batch_size': batch, 'step_row': best.name, 'step_img_per_s': consumption.get('img_per_s'),
               'loaders': results}
-    stem = f'{device_slug(device)}-{bench.preset}-loaders'
+    stem = output_stem(bench, device, 'loaders')
     lines = [f"# Data paths: images/s delivered to {meta['device']} ({dataset_name}, batch {batch})", '',
              f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}; the training step "
              f"('{best.name}') consumes {fmt(result['step_img_per_s'], ',.0f')} img/s.", '',
@@ -869,8 +952,45 @@ def loader_plot(result: dict, path: str):
     plt.close(fig)
 
 
+def validate(bench: BenchConfig) -> BenchConfig:
+    """Every flag checked before any work (train.ConfigError, one line); fills --out-dir."""
+    device = train.pick_device(bench.device, 0)
+    for name in ('iters', 'batch_size', 'big_batch', 'num_images', 'sample_batch', 'steps'):
+        if getattr(bench, name) < 1:
+            raise train.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(bench, name)}")
+    for name in ('warmup', 'num_workers'):
+        if getattr(bench, name) < 0:
+            raise train.ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(bench, name)}")
+    for name in ('peak_tflops', 'peak_tflops_fp32'):
+        if getattr(bench, name) is not None and not getattr(bench, name) > 0:
+            raise train.ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(bench, name)}")
+    modes = [name for name in ('profile', 'sweep', 'loader_only', 'quality', 'sampling_only') if getattr(bench, name)]
+    if len(modes) > 1:
+        raise train.ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
+    try:
+        get_config(bench.preset, image_size=bench.image_size)
+    except ValueError as error:
+        raise train.ConfigError(f'--image-size {bench.image_size}: {error}') from None
+    if bench.rows:
+        names = [row.name for row in ladder(bench, device)]
+        wanted = [w.strip().lower() for w in bench.rows.split(',')]
+        if not any(w and w in name.lower() for w in wanted for name in names):
+            raise train.ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: {'; '.join(names)}")
+    if bench.from_row:
+        start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
+    try:
+        values = [int(v) for v in bench.sweep_values.split(',') if v.strip()]
+    except ValueError:
+        raise train.ConfigError(f'--sweep-values {bench.sweep_values!r}: comma-separated integers') from None
+    if any(v < (0 if bench.sweep == 'workers' else 1) for v in values):
+        raise train.ConfigError(f'--sweep-values {bench.sweep_values!r}: out of range')
+    out_dir = bench.out_dir or ('results' if device.type == 'cuda' else os.path.join('runs', 'benchmark'))
+    train.check_writable(out_dir, '--out-dir')
+    return dataclasses.replace(bench, out_dir=out_dir)
+
+
 def main(argv=None):
-    bench = train.parse_config(argv, BenchConfig, __doc__)
+    bench = validate(data.parse_config(argv, BenchConfig, __doc__))
     torch.manual_seed(bench.seed)
     if bench.profile:
         return profile_best_row(bench)
@@ -880,8 +1000,19 @@ def main(argv=None):
         return run_loader_only(bench)
     if bench.quality:
         return run_quality(bench)
+    if bench.sampling_only:
+        return run_sampling_only(bench)
     return run_ladder(bench)
 
 
+def cli(argv=None) -> int:
+    try:
+        main(argv)
+    except (train.ConfigError, data.DataError) as error:
+        print(f'error: {data.one_line(error)}', file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == '__main__':
-    main()
+    sys.exit(cli())

@@ -8,10 +8,12 @@ work per step; `torch` is a DataLoader with workers and pinned memory; `ffcv` re
 function of (seed, epoch) alone, the same for every loader, so that a resumed run sees
 exactly the batches an uninterrupted one would have.
 """
+import argparse
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
+import typing
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -20,6 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
+HIGH_BIT_DEPTH_MODES = ('I;16', 'I;16B', 'I;16L', 'I;16N', 'I')
 DATASETS = ('cifar10', 'folder', 'shapes', 'beton')
 LOADERS = ('auto', 'gpu', 'torch', 'ffcv')
 SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own stream
@@ -65,10 +68,14 @@ class ImageFolderDataset(Dataset):
         return self.transform(open_rgb(self.paths[index]))
 
     def to_tensor(self, progress: bool = True) -> torch.Tensor:
-        """Decodes every file into one (N, 3, S, S) uint8 tensor."""
+        """Decodes every file into one (N, 3, S, S) uint8 tensor, in parallel threads."""
+        from concurrent.futures import ThreadPoolExecutor
         images = torch.empty(len(self), 3, self.image_size, self.image_size, dtype=torch.uint8)
-        for i in tqdm(range(len(self)), desc='decoding images', disable=not progress, leave=False):
-            images[i] = self[i]
+        with ThreadPoolExecutor(min(16, os.cpu_count() or 1)) as pool:
+            decoded = pool.map(self.__getitem__, range(len(self)))
+            for i, image in enumerate(tqdm(decoded, total=len(self), desc='decoding images', leave=False,
+                                           disable=not progress or len(self) < 2000)):
+                images[i] = image
         return images
 
 
@@ -83,24 +90,41 @@ def list_image_files(root: str) -> list:
 
 
 def open_rgb(path: str):
+    """A PIL image in RGB with its true levels: 16-bit grayscale is scaled to 8 bits (PIL's
+    own convert('RGB') would clip it, turning most of the image white)."""
     from PIL import Image
     try:
         with Image.open(path) as image:
             image.load()
+            if image.mode in HIGH_BIT_DEPTH_MODES:
+                levels = np.asarray(image, dtype=np.float64)
+                top = 65535.0 if image.mode.startswith('I;16') or levels.max() > 255 else 255.0
+                return Image.fromarray(np.round(levels * (255.0 / top)).clip(0, 255).astype(np.uint8)).convert('RGB')
             return image.convert('RGB')
     except Exception as error:  # PIL raises several types for unreadable files
-        raise DataError(f'cannot read image {path!r}: {error}') from None
+        raise DataError(f'cannot read image {path!r}: {brief(error)}') from None
 
 
-def check_image_headers(paths: list):
-    """Opens every file's header (cheap), so a non-image is reported before training starts."""
-    from PIL import Image
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                image.verify()
-        except Exception as error:
-            raise DataError(f'cannot read image {path!r}: {error}') from None
+def check_images(paths: list, workers: int = None, progress: bool = True):
+    """Decodes every file (a header check misses truncated data), in parallel threads (PIL's
+    decoders release the GIL), so that a broken file stops the run before training, with
+    its name: the first broken one in sorted order."""
+    from concurrent.futures import ThreadPoolExecutor
+    workers = workers or min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(workers) as pool:
+        results = pool.map(_decode_problem, paths)
+        for path, problem in tqdm(zip(paths, results), total=len(paths), desc='checking images', leave=False,
+                                  disable=not progress or len(paths) < 2000):
+            if problem:
+                raise DataError(f'cannot read image {path!r}: {problem}')
+
+
+def _decode_problem(path: str):
+    try:
+        open_rgb(path)
+    except DataError as error:
+        return str(error).split("': ", 1)[-1]
+    return None
 
 
 def resize_images(images: torch.Tensor, image_size: int) -> torch.Tensor:
@@ -128,8 +152,7 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True) -> torch.Ten
     try:
         dataset = CIFAR10(data_dir, train=train, download=True)
     except Exception as error:
-        raise DataError(f'CIFAR-10 not found in {data_dir!r} and the download failed ({type(error).__name__}: '
-                        f'{error}): {hint}') from None
+        raise DataError(f'CIFAR-10 not found in {data_dir!r} and the download failed ({brief(error)}): {hint}') from None
     finally:
         socket.setdefaulttimeout(previous_timeout)
     return _cifar10_images(dataset)
@@ -185,7 +208,7 @@ def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 
         return ImageTensorDataset(make_shapes(shapes_count, image_size, seed=0))
     if name == 'folder':
         dataset = ImageFolderDataset(data_dir, image_size)
-        check_image_headers(dataset.paths)
+        check_images(dataset.paths)
         return dataset
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
@@ -209,6 +232,18 @@ def dataset_images(dataset: Dataset, progress: bool = True) -> torch.Tensor:
     if isinstance(dataset, ImageTensorDataset):
         return dataset.images
     return dataset.to_tensor(progress)  # ImageFolderDataset, BetonDataset
+
+
+def fingerprint(dataset: Dataset, samples: int = 64) -> str:
+    """A data set's identity for resume checks: sha256 of its size and of the pixels of
+    `samples` images spread evenly over it (decoding all of a large folder would cost minutes)."""
+    import hashlib
+    count = len(dataset)
+    indices = sorted({i * count // samples for i in range(min(samples, count))})
+    images = dataset.images(indices) if isinstance(dataset, BetonDataset) else torch.stack([dataset[i] for i in indices])
+    digest = hashlib.sha256(str(count).encode())
+    digest.update(images.contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 # ----------------------------------------------------------------------------- order
@@ -387,7 +422,7 @@ class BetonDataset(Dataset):
         try:
             self.path, self.count = path, Reader(path).num_samples
         except Exception as error:
-            raise DataError(f'cannot read {path!r} as an FFCV .beton file: {error}') from None
+            raise DataError(f'cannot read {path!r} as an FFCV .beton file: {brief(error)}') from None
 
     def __len__(self):
         return self.count
@@ -448,21 +483,72 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
 
 # ----------------------------------------------------------------------------- command line
 
+# The scripts' shared command-line helpers live here, at the bottom of the import graph
+# (train, sample and benchmark all import data; data imports none of them).
+
+def flag(default, help, **extra):
+    """A config field with its --help text (and choices): build_parser turns it into a flag."""
+    return field(default=default, metadata={'help': help, **extra})
+
+
+def build_parser(config_class, description: str) -> argparse.ArgumentParser:
+    """One flag per dataclass field, with its help text, choices and default. A bad flag is
+    one 'error:' line and exit code 2, as every other bad input."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(config_class):
+        kind = next((a for a in typing.get_args(f.type) if a is not type(None)), f.type)
+        text = f.metadata['help']
+        if f.default is not None and 'default' not in text:
+            text += f' (default: {f.default})'
+        kwargs = dict(default=f.default, help=text)
+        if kind is bool:
+            kwargs['action'] = argparse.BooleanOptionalAction
+        else:
+            kwargs['type'] = kind
+        if 'choices' in f.metadata:
+            kwargs['choices'] = f.metadata['choices']
+        parser.add_argument('--' + f.name.replace('_', '-'), **kwargs)
+
+    def one_line_error(message):
+        print(f'error: {message}', file=sys.stderr)
+        sys.exit(2)
+    parser.error = one_line_error
+    return parser
+
+
+def parse_config(argv, config_class, description: str = None):
+    """A config dataclass from command-line arguments (sys.argv when argv is None)."""
+    return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
+
+
+def one_line(error: Exception) -> str:
+    """The message of one of our errors as one line, also when a DataLoader worker wrapped it
+    in a traceback."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__).split('DataError: ', 1)[-1]
+
+
+def brief(error: Exception, limit: int = 160) -> str:
+    """A library's error, for quoting inside ours: its type and first line, cut to `limit`."""
+    lines = str(error).strip().splitlines()
+    text = f'{type(error).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
 @dataclass
 class BetonConfig:
-    write_beton: str = field(default='', metadata={'help': 'the .beton file to write'})
-    dataset: str = field(default='cifar10', metadata={'help': 'data set to convert', 'choices': ('cifar10', 'folder', 'shapes')})
-    data_dir: str = field(default='./data', metadata={'help': 'CIFAR-10 root or image folder'})
-    image_size: int = field(default=32, metadata={'help': 'resolution the images are stored at'})
-    shapes_count: int = field(default=8192, metadata={'help': 'images in the shapes set'})
-    jpeg: bool = field(default=False, metadata={'help': 'store JPEG instead of raw RGB (smaller, slower to decode)'})
-    jpeg_quality: int = field(default=90, metadata={'help': 'JPEG quality'})
-    num_workers: int = field(default=4, metadata={'help': 'writer processes'})
+    write_beton: str = flag('', 'the .beton file to write')
+    dataset: str = flag('cifar10', 'data set to convert', choices=('cifar10', 'folder', 'shapes'))
+    data_dir: str = flag('./data', 'CIFAR-10 root or image folder')
+    image_size: int = flag(32, 'resolution the images are stored at')
+    shapes_count: int = flag(8192, 'images in the shapes set')
+    jpeg: bool = flag(False, 'store JPEG instead of raw RGB (smaller, slower to decode)')
+    jpeg_quality: int = flag(90, 'JPEG quality')
+    num_workers: int = flag(4, 'writer processes')
 
 
 def main(argv=None) -> int:
     """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes [...]"""
-    from train import one_line, parse_config
     cfg = parse_config(argv, BetonConfig, main.__doc__)
     try:
         if not cfg.write_beton:

@@ -120,7 +120,7 @@ def p_mean_variance(model, sched: Schedule, xt: torch.Tensor, t: torch.Tensor,
     """Mean and log variance of p(x_{t-1} | x_t) and the predicted x_0. The mean is eq. 11,
     computed as the posterior mean (eq. 7) at the predicted x_0 (eq. 15), optionally clipped
     to [-1, 1] as the paper's sampler does."""
-    eps = model(xt, t).float()
+    eps = model(xt, t).to(xt.dtype)  # bf16 under autocast: the maths in the images' precision
     x0 = predict_x0(sched, xt, t, eps)
     if clip_denoised:
         x0 = x0.clamp(-1, 1)
@@ -128,29 +128,36 @@ def p_mean_variance(model, sched: Schedule, xt: torch.Tensor, t: torch.Tensor,
     return mean, model_log_variance(sched, t, xt, variance), x0
 
 
-def _randn(shape, generator: torch.Generator, device) -> torch.Tensor:
-    gen_device = generator.device if generator is not None else device
-    return torch.randn(shape, generator=generator, device=gen_device).to(device)
+def _randn(shape, generator: torch.Generator, device, dtype=torch.float32) -> torch.Tensor:
+    """Standard normal noise drawn on `device`, from `generator` (which must live there)."""
+    if generator is not None and torch.device(generator.device).type != torch.device(device).type:
+        raise ValueError(f'the generator is on {generator.device}, the samples on {device}: '
+                         f'create it with torch.Generator(device)')
+    return torch.randn(shape, generator=generator, device=device, dtype=dtype)
 
 
 @torch.no_grad()
 def ddpm_sample(model, sched: Schedule, shape, generator: torch.Generator = None, device='cpu',
-                variance: str = 'fixedlarge', clip_denoised: bool = True, progress: bool = False):
+                variance: str = 'fixedlarge', clip_denoised: bool = True, progress: bool = False,
+                dtype=torch.float32):
     """Ancestral sampling, Algorithm 2: x_T ~ N(0, I), then x_{t-1} ~ p(x_{t-1} | x_t) for
-    t = T-1, ..., 0, with no noise added at the last step. Returns images in [-1, 1]."""
-    x = _randn(shape, generator, device)
+    t = T-1, ..., 0, with no noise added at the last step. The noise comes from `generator`,
+    on `device`. Returns images in [-1, 1]."""
+    x = _randn(shape, generator, device, dtype)
     for step in tqdm(range(sched.num_steps - 1, -1, -1), disable=not progress, desc='ddpm'):
         t = torch.full((shape[0],), step, device=device, dtype=torch.long)
         mean, log_var, _ = p_mean_variance(model, sched, x, t, variance, clip_denoised)
-        x = mean + (0.5 * log_var).exp() * _randn(shape, generator, device) if step > 0 else mean
+        x = mean + (0.5 * log_var).exp() * _randn(shape, generator, device, dtype) if step > 0 else mean
     return x.clamp(-1, 1)
 
 
 def ddim_timesteps(num_steps: int, sample_steps: int) -> list:
-    """sample_steps timesteps spread evenly over [0, T-1], both ends included, ascending."""
+    """The DDIM code's 'uniform' sub-sequence (Song et al. 2021, section 4.2): every
+    (T // S)-th timestep from 0, S of them, ascending (0, 20, ..., 980 for T=1000, S=50)."""
     if not 1 <= sample_steps <= num_steps:
         raise ValueError(f'sample steps must be in [1, {num_steps}], got {sample_steps}')
-    return sorted(set(np.linspace(0, num_steps - 1, sample_steps).round().astype(int).tolist()))
+    stride = num_steps // sample_steps
+    return list(range(0, stride * sample_steps, stride))
 
 
 def ddim_step(sched: Schedule, xt: torch.Tensor, eps: torch.Tensor, step: int, prev_step: int,
@@ -173,16 +180,17 @@ def ddim_step(sched: Schedule, xt: torch.Tensor, eps: torch.Tensor, step: int, p
 @torch.no_grad()
 def ddim_sample(model, sched: Schedule, shape, steps: int = 50, eta: float = 0.0,
                 generator: torch.Generator = None, device='cpu', clip_denoised: bool = True,
-                progress: bool = False):
-    """DDIM sampling over `steps` timesteps spread evenly over [0, T-1]. eta=0 is
-    deterministic given x_T; eta=1 has DDPM's posterior variance. Returns images in [-1, 1]."""
+                progress: bool = False, dtype=torch.float32):
+    """DDIM sampling over the `steps` timesteps of ddim_timesteps, then to the predicted x_0.
+    eta=0 is deterministic given x_T; eta=1 has DDPM's posterior variance. The noise comes
+    from `generator`, on `device`. Returns images in [-1, 1]."""
     timesteps = ddim_timesteps(sched.num_steps, steps)
     sched_cpu = sched.to('cpu')  # coefficients as python floats: no device sync per step
-    x = _randn(shape, generator, device)
+    x = _randn(shape, generator, device, dtype)
     for i in tqdm(range(len(timesteps) - 1, -1, -1), disable=not progress, desc='ddim'):
         step, prev_step = timesteps[i], (timesteps[i - 1] if i > 0 else -1)
-        eps = model(x, torch.full((shape[0],), step, device=device, dtype=torch.long)).float()
-        noise = _randn(shape, generator, device) if eta > 0 and prev_step >= 0 else None
+        eps = model(x, torch.full((shape[0],), step, device=device, dtype=torch.long)).to(x.dtype)
+        noise = _randn(shape, generator, device, dtype) if eta > 0 and prev_step >= 0 else None
         x = ddim_step(sched_cpu, x, eps, step, prev_step, eta, noise, clip_denoised)
     return x.clamp(-1, 1)
 
@@ -215,10 +223,10 @@ def vlb_bits_per_dim(model, sched: Schedule, x0: torch.Tensor, generator: torch.
     Returns {'total', 'prior', 'decoder', 'terms'}: (B,), (B,), (B,), (B, T)."""
     B, T = x0.shape[0], sched.num_steps
     to_bits = 1.0 / (math.log(2.0) * x0[0].numel())
-    terms = torch.zeros(B, T, device=x0.device)
+    terms = torch.zeros(B, T, device=x0.device, dtype=x0.dtype)
     for step in tqdm(range(T - 1, -1, -1), disable=not progress, desc='bits/dim'):
         t = torch.full((B,), step, device=x0.device, dtype=torch.long)
-        xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device))
+        xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device, x0.dtype))
         mean, log_var, _ = p_mean_variance(model, sched, xt, t, variance, clip_denoised)
         if step == 0:
             nats = -discretized_gaussian_log_likelihood(x0, mean, log_var)

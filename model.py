@@ -1,17 +1,29 @@
-"""The DDPM UNet (Ho et al., 2020, appendix B), its presets, and FLOP counting.
+"""The DDPM UNet (Ho et al., 2020, appendix B), its presets, FLOP counting, and loading
+diffusers' UNet2DModel weights.
 
-Architecture as in the paper's CIFAR-10 model: a sinusoidal timestep embedding and MLP,
-residual blocks (GroupNorm, SiLU, 3x3 conv, timestep projection, dropout, zero-initialised
-last conv), single-head self-attention at 16x16, and a UNet with skip connections between
-every down and up block. `PRESETS['ddpm-cifar10']` has the paper's 35.7M parameters.
+The network is the paper's (its TF code, diffusion_tf/models/unet.py): a sinusoidal
+timestep embedding and a 2-layer MLP; residual blocks of GroupNorm(eps 1e-6), SiLU, 3x3
+conv, the timestep embedding through a SiLU and a projection added, dropout, and a last
+conv initialised at scale 1e-10; single-head self-attention at 16x16; strided-conv
+downsampling padded like TF's 'SAME' (right and bottom); nearest-neighbour upsampling and
+a conv; a skip connection from every down block; TF's variance-scaling initialisation.
+diffusers' UNet2DModel in the configuration of google/ddpm-cifar10-32 is the same function
+(tests/test_model.py checks it in float64), and `load_diffusers` reads its weights.
 """
+import json
 import math
+import os
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
+
+NORM_EPS = 1e-6  # tf.contrib.layers.group_norm's default, used by the paper's code
+ZERO_INIT_SCALE = 1e-10  # the paper's default_init(scale=0.): variance scaling at 1e-10, not exact zeros
+# Written into every checkpoint; checkpoints of an older, different network do not load.
+MODEL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +42,8 @@ class UNetConfig:
     def __post_init__(self):
         if self.attention not in ('sdpa', 'manual'):
             raise ValueError(f"attention must be 'sdpa' or 'manual', got {self.attention!r}")
+        if not 0 <= self.dropout < 1:
+            raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
         factor = 2 ** (len(self.channel_mults) - 1)
         if self.image_size < factor or self.image_size % factor:
             raise ValueError(
@@ -59,31 +73,53 @@ def get_config(preset: str, **overrides) -> UNetConfig:
     return replace(PRESETS[preset], **overrides)
 
 
-def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sinusoidal embedding of integer timesteps (Vaswani et al. 2017, as in DDPM's code)."""
+def timestep_embedding(t: torch.Tensor, dim: int, dtype=torch.float32) -> torch.Tensor:
+    """Sinusoidal embedding of integer timesteps (Vaswani et al. 2017) as the paper's code
+    computes it: frequencies exp(-ln(10000) i / (dim/2 - 1)), sines then cosines, in float32
+    (as there and in diffusers, so that the two agree bit for bit), returned in `dtype`."""
     half = dim // 2
-    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, device=t.device) / (half - 1))
+    freqs = torch.exp(-math.log(10000.0) * torch.arange(half, dtype=torch.float32, device=t.device) / (half - 1))
     angles = t.float()[:, None] * freqs[None, :]  # (B, half)
-    return torch.cat([angles.sin(), angles.cos()], dim=1)  # (B, dim)
+    return torch.cat([angles.sin(), angles.cos()], dim=1).to(dtype)  # (B, dim)
+
+
+def variance_scaling_(weight: torch.Tensor, scale: float = 1.0, fans=None) -> torch.Tensor:
+    """TF's variance_scaling(scale, mode='fan_avg', distribution='uniform'), the paper's
+    default_init: U(-a, a) with a = sqrt(3 scale / ((fan_in + fan_out) / 2)), where a conv's
+    fans include its kernel area."""
+    fan_in, fan_out = fans or nn.init._calculate_fan_in_and_fan_out(weight)
+    limit = math.sqrt(3.0 * scale / ((fan_in + fan_out) / 2))
+    with torch.no_grad():
+        return weight.uniform_(-limit, limit)
+
+
+def _init(layer: nn.Module, scale: float = 1.0) -> nn.Module:
+    """A conv or linear layer initialised as the paper's: variance scaling, zero bias."""
+    variance_scaling_(layer.weight, scale)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+def _norm(groups: int, channels: int) -> nn.GroupNorm:
+    return nn.GroupNorm(groups, channels, eps=NORM_EPS)
 
 
 class ResBlock(nn.Module):
     def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int):
         super().__init__()
-        self.norm1 = nn.GroupNorm(groups, in_ch)
-        self.conv1 = nn.Conv2d(in_ch, out_ch, 3, padding=1)
-        self.temb_proj = nn.Linear(temb_ch, out_ch)
-        self.norm2 = nn.GroupNorm(groups, out_ch)
+        self.norm1 = _norm(groups, in_ch)
+        self.conv1 = _init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
+        self.temb_proj = _init(nn.Linear(temb_ch, out_ch))
+        self.norm2 = _norm(groups, out_ch)
         self.dropout = nn.Dropout(dropout)
-        self.conv2 = nn.Conv2d(out_ch, out_ch, 3, padding=1)
-        # Zero init makes every block start as the identity (paper's code: init_scale=0).
-        nn.init.zeros_(self.conv2.weight)
-        nn.init.zeros_(self.conv2.bias)
-        self.skip = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
+        # At scale 1e-10 every block starts as (nearly) the identity, as in the paper.
+        self.conv2 = _init(nn.Conv2d(out_ch, out_ch, 3, padding=1), ZERO_INIT_SCALE)
+        # The paper's 'nin_shortcut': a 1x1 conv where the channel count changes.
+        self.skip = _init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()
 
     def forward(self, x, temb):
         h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.temb_proj(temb)[:, :, None, None]  # (B, C, 1, 1) broadcast over H, W
+        h = h + self.temb_proj(F.silu(temb))[:, :, None, None]  # (B, C, 1, 1) broadcast over H, W
         h = self.conv2(self.dropout(F.silu(self.norm2(h))))
         return self.skip(x) + h
 
@@ -93,12 +129,14 @@ class AttnBlock(nn.Module):
         super().__init__()
         self.num_heads = num_heads
         self.attention = attention
-        self.norm = nn.GroupNorm(groups, channels)
-        # One 1x1 conv for q, k and v: same parameters as three, one matmul instead of three.
+        self.norm = _norm(groups, channels)
+        # One 1x1 conv for q, k and v: one matmul instead of three. Each third is initialised
+        # as the paper's separate q, k and v layers (fans C and C, not C and 3C).
         self.qkv = nn.Conv2d(channels, 3 * channels, 1)
-        self.proj = nn.Conv2d(channels, channels, 1)
-        nn.init.zeros_(self.proj.weight)
-        nn.init.zeros_(self.proj.bias)
+        for part in self.qkv.weight.data.chunk(3):
+            variance_scaling_(part, fans=(channels, channels))
+        nn.init.zeros_(self.qkv.bias)
+        self.proj = _init(nn.Conv2d(channels, channels, 1), ZERO_INIT_SCALE)
 
     def forward(self, x):
         B, C, H, W = x.shape
@@ -117,19 +155,21 @@ class AttnBlock(nn.Module):
 class Downsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, stride=2, padding=1)
+        self.conv = _init(nn.Conv2d(channels, channels, 3, stride=2, padding=0))
 
     def forward(self, x):
-        return self.conv(x)
+        # TF's 'SAME' padding for a stride-2 3x3 conv on an even size: one row and one
+        # column of zeros, at the bottom and on the right only.
+        return self.conv(F.pad(x, (0, 1, 0, 1)))  # (B, C, H, W) -> (B, C, H/2, W/2)
 
 
 class Upsample(nn.Module):
     def __init__(self, channels: int):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, 3, padding=1)
+        self.conv = _init(nn.Conv2d(channels, channels, 3, padding=1))
 
     def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode='nearest'))
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode='nearest'))  # (B, C, 2H, 2W)
 
 
 class UNet(nn.Module):
@@ -138,8 +178,8 @@ class UNet(nn.Module):
         self.config = config
         ch, groups = config.base_channels, config.norm_groups
         temb_ch = 4 * ch
-        self.temb = nn.Sequential(nn.Linear(ch, temb_ch), nn.SiLU(), nn.Linear(temb_ch, temb_ch))
-        self.conv_in = nn.Conv2d(config.in_channels, ch, 3, padding=1)
+        self.temb = nn.Sequential(_init(nn.Linear(ch, temb_ch)), nn.SiLU(), _init(nn.Linear(temb_ch, temb_ch)))
+        self.conv_in = _init(nn.Conv2d(config.in_channels, ch, 3, padding=1))
 
         def res(in_ch, out_ch):
             return ResBlock(in_ch, out_ch, temb_ch, config.dropout, groups)
@@ -177,15 +217,13 @@ class UNet(nn.Module):
                 self.up.append(Upsample(in_ch))
                 res_now *= 2
 
-        self.norm_out = nn.GroupNorm(groups, in_ch)
-        self.conv_out = nn.Conv2d(in_ch, config.in_channels, 3, padding=1)
-        nn.init.zeros_(self.conv_out.weight)
-        nn.init.zeros_(self.conv_out.bias)
+        self.norm_out = _norm(groups, in_ch)
+        self.conv_out = _init(nn.Conv2d(in_ch, config.in_channels, 3, padding=1), ZERO_INIT_SCALE)
 
     def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """x: (B, C, H, W) noisy images; t: (B,) integer timesteps. Returns predicted noise."""
-        temb = self.temb(timestep_embedding(t, self.config.base_channels))  # (B, 4 * base)
-        h = self.conv_in(x)
+        temb = self.temb(timestep_embedding(t, self.config.base_channels, x.dtype))  # (B, 4 * base)
+        h = self.conv_in(x)  # (B, base, H, W)
         skips = [h]
         for block in self.down:
             h = _run(block, h, temb)
@@ -195,7 +233,7 @@ class UNet(nn.Module):
             if not isinstance(block, Upsample):
                 h = torch.cat([h, skips.pop()], dim=1)  # (B, C + C_skip, H, W)
             h = _run(block, h, temb)
-        return self.conv_out(F.silu(self.norm_out(h)))
+        return self.conv_out(F.silu(self.norm_out(h)))  # (B, C_in, H, W)
 
 
 def _run(block, h, temb):
@@ -284,3 +322,194 @@ def peak_tflops(device_name: str, precision: str):
     """Dense peak for a device name and 'fp32' | 'tf32' | 'bf16' | 'fp16'; None if unknown."""
     key = gpu_peak_key(device_name)
     return GPU_PEAK_TFLOPS[key][precision] if key else None
+
+
+# ----------------------------------------------------------------------------- diffusers
+
+# UNet2DModel's defaults for the fields a config.json may leave out (diffusers 0.42).
+_DIFFUSERS_DEFAULTS = {
+    'in_channels': 3, 'out_channels': 3, 'center_input_sample': False, 'time_embedding_type': 'positional',
+    'time_embedding_dim': None, 'freq_shift': 0, 'flip_sin_to_cos': True, 'mid_block_type': 'UNetMidBlock2D',
+    'layers_per_block': 2, 'mid_block_scale_factor': 1, 'downsample_padding': 1, 'downsample_type': 'conv',
+    'upsample_type': 'conv', 'dropout': 0.0, 'act_fn': 'silu', 'attention_head_dim': 8, 'norm_num_groups': 32,
+    'attn_norm_num_groups': None, 'norm_eps': 1e-5, 'resnet_time_scale_shift': 'default', 'add_attention': True,
+    'class_embed_type': None, 'num_class_embeds': None,
+}
+# What a UNet2DModel config must say to be the paper's network (the google/ddpm-cifar10-32 values).
+_DIFFUSERS_REQUIRED = {
+    'center_input_sample': False, 'time_embedding_type': 'positional', 'freq_shift': 1, 'flip_sin_to_cos': False,
+    'mid_block_type': 'UNetMidBlock2D', 'mid_block_scale_factor': 1, 'downsample_padding': 0,
+    'downsample_type': 'conv', 'upsample_type': 'conv', 'act_fn': 'silu', 'norm_eps': NORM_EPS,
+    'resnet_time_scale_shift': 'default', 'add_attention': True, 'class_embed_type': None, 'num_class_embeds': None,
+}
+
+
+def diffusers_config(config: UNetConfig) -> dict:
+    """The UNet2DModel(**kwargs) that computes the same function as UNet(config): for
+    ddpm-cifar10, the configuration of the released google/ddpm-cifar10-32 model."""
+    levels = range(len(config.channel_mults))
+    has_attn = [config.image_size // 2 ** i in config.attn_resolutions for i in levels]
+    channels = [config.base_channels * m for m in config.channel_mults]
+    attn_channels = {c for c, a in zip(channels, has_attn) if a} | {channels[-1]}  # the middle has attention
+    if config.num_heads > 1 and len(attn_channels) > 1:
+        raise ValueError('diffusers sets heads per block from one head size: with several heads, every '
+                         'attention block needs the same channel count')
+    return dict(
+        sample_size=config.image_size, in_channels=config.in_channels, out_channels=config.in_channels,
+        block_out_channels=tuple(channels), layers_per_block=config.blocks_per_level,
+        down_block_types=tuple('AttnDownBlock2D' if a else 'DownBlock2D' for a in has_attn),
+        up_block_types=tuple('AttnUpBlock2D' if a else 'UpBlock2D' for a in reversed(has_attn)),
+        attention_head_dim=None if config.num_heads == 1 else max(attn_channels) // config.num_heads,
+        norm_num_groups=config.norm_groups, dropout=config.dropout, **_DIFFUSERS_REQUIRED)
+
+
+class DiffusersConfigError(ValueError):
+    """A UNet2DModel configuration that is not the paper's network."""
+
+
+def config_from_diffusers(theirs: dict, attention: str = 'sdpa') -> UNetConfig:
+    """Our UNetConfig for a UNet2DModel config.json, or DiffusersConfigError naming the field
+    that our network cannot represent."""
+    if theirs.get('_class_name', 'UNet2DModel') != 'UNet2DModel':
+        raise DiffusersConfigError(f"_class_name is {theirs['_class_name']!r}: only UNet2DModel is supported")
+    get = lambda key: theirs.get(key, _DIFFUSERS_DEFAULTS.get(key))
+    for key, wanted in _DIFFUSERS_REQUIRED.items():
+        value = get(key)
+        if value != wanted and not (isinstance(wanted, float) and isinstance(value, float)
+                                    and math.isclose(value, wanted, rel_tol=1e-6)):
+            raise DiffusersConfigError(f'{key}={value!r}: the paper\'s network needs {key}={wanted!r}')
+    channels = list(get('block_out_channels') or ())
+    down, up = list(get('down_block_types') or ()), list(get('up_block_types') or ())
+    if not channels or any(c % channels[0] for c in channels):
+        raise DiffusersConfigError(f'block_out_channels={channels!r}: each must be a multiple of the first')
+    if set(down) - {'DownBlock2D', 'AttnDownBlock2D'} or len(down) != len(channels):
+        raise DiffusersConfigError(f'down_block_types={down!r}: one DownBlock2D or AttnDownBlock2D per level')
+    mirror = ['AttnUpBlock2D' if d == 'AttnDownBlock2D' else 'UpBlock2D' for d in reversed(down)]
+    if up != mirror:
+        raise DiffusersConfigError(f'up_block_types={up!r}: must mirror down_block_types ({mirror!r})')
+    if get('in_channels') != get('out_channels'):
+        raise DiffusersConfigError(f"out_channels={get('out_channels')!r}: must equal in_channels")
+    if get('time_embedding_dim') not in (None, 4 * channels[0]):
+        raise DiffusersConfigError(f"time_embedding_dim={get('time_embedding_dim')!r}: must be 4 x the first channels")
+    if get('attn_norm_num_groups') not in (None, get('norm_num_groups')):
+        raise DiffusersConfigError(f"attn_norm_num_groups={get('attn_norm_num_groups')!r}: must be norm_num_groups")
+    size = get('sample_size')
+    size = size[0] if isinstance(size, (list, tuple)) and len(set(size)) == 1 else size
+    if not isinstance(size, int):
+        raise DiffusersConfigError(f'sample_size={size!r}: a square size is needed')
+    head_dim = get('attention_head_dim')
+    attn_channels = {c for c, d in zip(channels, down) if d == 'AttnDownBlock2D'} | {channels[-1]}
+    heads = {1} if head_dim is None else {c // head_dim for c in attn_channels}
+    if len(heads) != 1 or (head_dim is not None and any(c % head_dim for c in attn_channels)):
+        raise DiffusersConfigError(f'attention_head_dim={head_dim!r}: every attention block must have the same '
+                                   f'number of heads (channels {sorted(attn_channels)})')
+    try:
+        return UNetConfig(image_size=size, in_channels=get('in_channels'), base_channels=channels[0],
+                          channel_mults=tuple(c // channels[0] for c in channels),
+                          blocks_per_level=get('layers_per_block'),
+                          attn_resolutions=tuple(size // 2 ** i for i, d in enumerate(down) if d == 'AttnDownBlock2D'),
+                          num_heads=heads.pop(), dropout=get('dropout'), norm_groups=get('norm_num_groups'),
+                          attention=attention)
+    except ValueError as error:
+        raise DiffusersConfigError(str(error)) from None
+
+
+def diffusers_module_names(model: UNet) -> list:
+    """(our module, UNet2DModel's module) for every layer that holds weights, in order."""
+    names = [('temb.0', 'time_embedding.linear_1'), ('temb.2', 'time_embedding.linear_2'), ('conv_in', 'conv_in')]
+    for ours, theirs, sampler in (('down', 'down_blocks', 'downsamplers'), ('up', 'up_blocks', 'upsamplers')):
+        level, index = 0, 0
+        for i, block in enumerate(getattr(model, ours)):
+            if isinstance(block, (Downsample, Upsample)):
+                names.append((f'{ours}.{i}.conv', f'{theirs}.{level}.{sampler}.0.conv'))
+                level, index = level + 1, 0
+                continue
+            names.append((f'{ours}.{i}.0', f'{theirs}.{level}.resnets.{index}'))
+            if len(block) > 1:
+                names.append((f'{ours}.{i}.1', f'{theirs}.{level}.attentions.{index}'))
+            index += 1
+    names += [('mid.0', 'mid_block.resnets.0'), ('mid.1', 'mid_block.attentions.0'), ('mid.2', 'mid_block.resnets.1'),
+              ('norm_out', 'conv_norm_out'), ('conv_out', 'conv_out')]
+    return names
+
+
+_RESBLOCK_NAMES = {'norm1': 'norm1', 'conv1': 'conv1', 'temb_proj': 'time_emb_proj', 'norm2': 'norm2',
+                   'conv2': 'conv2', 'skip': 'conv_shortcut'}
+# Attention key names of diffusers checkpoints written before 0.15 (the released DDPM ones).
+_OLD_ATTENTION_NAMES = {'query': 'to_q', 'key': 'to_k', 'value': 'to_v', 'proj_attn': 'to_out.0'}
+
+
+def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
+    """A UNet2DModel state dict as our UNet's state dict (same function, our layout: the
+    three attention projections fused into one 1x1 conv)."""
+    theirs = {_new_attention_name(k): v for k, v in theirs.items()}
+    used, ours = set(), {}
+
+    def take(key):
+        if key not in theirs:
+            raise KeyError(f'the diffusers weights have no {key!r}')
+        used.add(key)
+        return theirs[key]
+
+    for our_name, their_name in diffusers_module_names(model):
+        module = model.get_submodule(our_name)
+        if isinstance(module, ResBlock):
+            parts = [(f'{our_name}.{a}', f'{their_name}.{b}') for a, b in _RESBLOCK_NAMES.items()
+                     if not isinstance(getattr(module, a), nn.Identity)]
+        elif isinstance(module, AttnBlock):
+            for p in ('weight', 'bias'):
+                qkv = torch.cat([take(f'{their_name}.to_{x}.{p}') for x in 'qkv'])
+                ours[f'{our_name}.qkv.{p}'] = qkv.reshape(module.qkv.weight.shape if p == 'weight' else -1)
+                proj = take(f'{their_name}.to_out.0.{p}')
+                ours[f'{our_name}.proj.{p}'] = proj.reshape(module.proj.weight.shape if p == 'weight' else -1)
+            parts = [(f'{our_name}.norm', f'{their_name}.group_norm')]
+        else:
+            parts = [(our_name, their_name)]
+        for a, b in parts:
+            for p in ('weight', 'bias'):
+                ours[f'{a}.{p}'] = take(f'{b}.{p}')
+    unused = sorted(set(theirs) - used)
+    if unused:
+        raise KeyError(f'the diffusers weights hold tensors our network has no place for: {", ".join(unused[:5])}')
+    return ours
+
+
+def _new_attention_name(key: str) -> str:
+    parts = key.split('.')
+    if 'attentions' in parts and len(parts) >= 2 and parts[-2] in _OLD_ATTENTION_NAMES:
+        return '.'.join(parts[:-2] + [_OLD_ATTENTION_NAMES[parts[-2]], parts[-1]])
+    return key
+
+
+def diffusers_folder(path: str) -> str:
+    """The folder holding a UNet2DModel's config.json: path itself, or path/unet (a pipeline)."""
+    for folder in (path, os.path.join(path, 'unet')):
+        if os.path.isfile(os.path.join(folder, 'config.json')):
+            return folder
+    raise FileNotFoundError(f'{path}: no config.json there or in {os.path.join(path, "unet")} '
+                            f'(a diffusers UNet2DModel or pipeline folder is expected)')
+
+
+def _read_weights(folder: str) -> dict:
+    safetensors = os.path.join(folder, 'diffusion_pytorch_model.safetensors')
+    if os.path.isfile(safetensors):
+        from safetensors.torch import load_file
+        return load_file(safetensors)
+    bin_path = os.path.join(folder, 'diffusion_pytorch_model.bin')
+    if os.path.isfile(bin_path):
+        return torch.load(bin_path, map_location='cpu', weights_only=True)
+    raise FileNotFoundError(f'{folder}: neither diffusion_pytorch_model.safetensors nor .bin is there')
+
+
+def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
+    """Our UNet with the weights of a diffusers UNet2DModel saved by save_pretrained (a folder
+    with config.json and diffusion_pytorch_model.safetensors or .bin), or of a pipeline folder
+    with one under unet/ (the layout of google/ddpm-cifar10-32). Raises DiffusersConfigError
+    naming the field when the configuration is not the paper's network, FileNotFoundError
+    when files are missing. The model is returned in float32, in eval mode."""
+    folder = diffusers_folder(path)
+    with open(os.path.join(folder, 'config.json')) as f:
+        config = config_from_diffusers(json.load(f), attention)
+    model = UNet(config)
+    model.load_state_dict(state_dict_from_diffusers(model, _read_weights(folder)))
+    return model.float().eval()

@@ -10,6 +10,7 @@ torch.compile on CUDA. FID goes through torch-fidelity's InceptionV3 (the TF-FID
 network); its weights download on first use, or come from --inception-weights offline.
 Exit codes: 0 done, 2 bad input.
 """
+import json
 import math
 import os
 import sys
@@ -23,13 +24,15 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from model import UNet, UNetConfig, count_flops
-from train import ConfigError, flag, one_line, parse_config, pick_device
+from model import DiffusersConfigError, UNet, UNetConfig, count_flops, diffusers_folder, load_diffusers
+from data import brief, flag, one_line, parse_config
+from train import ConfigError, check_model_version, check_writable, pick_device
 
 
 @dataclass
 class SampleConfig:
-    ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py')
+    ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py, or a diffusers UNet2DModel or pipeline '
+                                     'folder (such as google/ddpm-cifar10-32)')
     num: int = flag(64, 'images to draw')
     sampler: str = flag('ddim', 'ddim (any --steps) or ddpm (all T steps, ancestral)', choices=('ddim', 'ddpm'))
     steps: int = flag(50, 'DDIM steps')
@@ -60,17 +63,49 @@ class SampleConfig:
 
 
 def load_model(path: str, weights: str, device) -> tuple:
-    """(model in eval mode, its UNetConfig, the training config) from a train.py checkpoint."""
+    """(model in eval mode, its UNetConfig, its diffusion.Schedule) from a train.py checkpoint
+    or a diffusers folder."""
+    if os.path.isdir(path):
+        model, sched = load_diffusers_folder(path)
+        return model.to(device).requires_grad_(False), model.config, sched
     if not os.path.isfile(path):
-        raise ConfigError(f'--ckpt {path}: no such checkpoint')
+        raise ConfigError(f'--ckpt {path}: no such checkpoint or folder')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
         model_config = UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
+        schedule = ckpt['config']['schedule']
     except Exception as error:
-        raise ConfigError(f'--ckpt {path}: not a train.py checkpoint ({type(error).__name__}: {error})') from None
+        raise ConfigError(f'--ckpt {path}: not a train.py checkpoint ({brief(error)})') from None
+    check_model_version(ckpt, f'--ckpt {path}')
     model = UNet(model_config)
     model.load_state_dict(ckpt[weights])
-    return model.to(device).eval().requires_grad_(False), model_config, ckpt['config']
+    return model.to(device).eval().requires_grad_(False), model_config, diffusion.make_schedule(1000, schedule)
+
+
+def load_diffusers_folder(path: str) -> tuple:
+    """(our UNet, the schedule) from a diffusers UNet2DModel or pipeline folder. The schedule
+    is the pipeline's scheduler/scheduler_config.json where there is one, else the paper's."""
+    try:
+        model = load_diffusers(path)
+    except (DiffusersConfigError, FileNotFoundError, KeyError, OSError, ValueError) as error:
+        raise ConfigError(f'--ckpt {path}: cannot load it as the paper\'s UNet ({error})') from None
+    return model, diffusers_schedule(path, diffusers_folder(path))
+
+
+def diffusers_schedule(path: str, unet_folder: str) -> diffusion.Schedule:
+    candidates = [os.path.join(path, 'scheduler', 'scheduler_config.json'),
+                  os.path.join(os.path.dirname(os.path.normpath(unet_folder)), 'scheduler', 'scheduler_config.json')]
+    config_path = next((p for p in candidates if os.path.isfile(p)), None)
+    if config_path is None:
+        return diffusion.make_schedule(1000, 'linear')
+    with open(config_path) as f:
+        theirs = json.load(f)
+    kind = {'linear': 'linear', 'squaredcos_cap_v2': 'cosine'}.get(theirs.get('beta_schedule', 'linear'))
+    steps = theirs.get('num_train_timesteps', 1000)
+    paper_betas = (math.isclose(theirs.get('beta_start', 1e-4), 1e-4) and math.isclose(theirs.get('beta_end', 0.02), 0.02))
+    if kind is None or theirs.get('trained_betas') is not None or (kind == 'linear' and not paper_betas):
+        raise ConfigError(f'{config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are supported')
+    return diffusion.make_schedule(steps, kind)
 
 
 def autocast_for(amp: str, device: torch.device):
@@ -78,14 +113,17 @@ def autocast_for(amp: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
 
 
-def draw(model, config: UNetConfig, cfg: SampleConfig, device, progress=True) -> typing.Iterator[torch.Tensor]:
-    """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i)."""
-    sched = diffusion.make_schedule(1000, 'linear').to(device)
+def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+         progress=True) -> typing.Iterator[torch.Tensor]:
+    """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
+    the device."""
+    sched = sched.to(device)
     size = config.image_size
     bar = tqdm(total=cfg.num, desc=f'{cfg.sampler} sampling', unit='img', disable=not progress)
     for index, start in enumerate(range(0, cfg.num, cfg.batch_size)):
         shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
-        generator = torch.Generator().manual_seed(int(np.random.SeedSequence([cfg.seed, index]).generate_state(1)[0]))
+        seed = int(np.random.SeedSequence([cfg.seed, index]).generate_state(1)[0])
+        generator = torch.Generator(device).manual_seed(seed)
         with autocast_for(cfg.amp, device):
             if cfg.sampler == 'ddpm':
                 x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
@@ -130,7 +168,7 @@ def inception_extractor(weights_path: str, device) -> typing.Callable:
                                               feature_extractor_weights_path=weights_path or None)
     except Exception as error:
         raise ConfigError(
-            f'FID needs the InceptionV3 weights, and downloading them failed ({type(error).__name__}: {error}). '
+            f'FID needs the InceptionV3 weights, and downloading them failed ({brief(error)}). '
             f'Offline, fetch {URL_INCEPTION_V3} on a machine with network and pass --inception-weights PATH') from None
     network = network.to(device).eval()
     return lambda images: network(images.to(device))[0].double().cpu()
@@ -180,12 +218,12 @@ def reference_statistics(cfg: SampleConfig, image_size: int, extractor) -> dict:
 
 # ----------------------------------------------------------------------------- bits/dim
 
-def bits_per_dim(model, config: UNetConfig, cfg: SampleConfig, device) -> dict:
+def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
     images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False)[:cfg.bpd_num]
-    sched = diffusion.make_schedule(1000, 'linear').to(device)
+    sched = sched.to(device)
     amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
     totals, priors, decoders = [], [], []
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator(device).manual_seed(cfg.seed)
     for batch in tqdm(images.split(cfg.batch_size), desc='bits/dim (1000 model calls per batch)'):
         x0 = batch.to(device).float() / 127.5 - 1
         with autocast_for(amp, device):
@@ -201,25 +239,40 @@ def bits_per_dim(model, config: UNetConfig, cfg: SampleConfig, device) -> dict:
 
 # ----------------------------------------------------------------------------- main
 
-def main(cfg: SampleConfig) -> dict:
-    device = pick_device(cfg.device, 0)
+def validate(cfg: SampleConfig, sched: diffusion.Schedule):
+    """The flags, checked before any sampling; the output folder created and checked writable."""
     for name in ('num', 'batch_size', 'steps', 'bpd_num'):
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    model, config, train_config = load_model(cfg.ckpt, cfg.weights, device)
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    if cfg.sampler == 'ddim' and cfg.steps > sched.num_steps:
+        raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
+    if not 0 <= cfg.eta:
+        raise ConfigError(f'--eta must be 0 or more, got {cfg.eta}')
+    if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
+        raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    if not cfg.bpd or cfg.fid:  # images will be written
+        check_writable(cfg.out, '--out')
+
+
+def main(cfg: SampleConfig) -> dict:
+    device = pick_device(cfg.device, 0)
+    model, config, sched = load_model(cfg.ckpt, cfg.weights, device)
+    validate(cfg, sched)
     if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
         model = torch.compile(model)
     result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
     if cfg.bpd:
-        result['bpd'] = bits_per_dim(model, config, cfg, device)
+        result['bpd'] = bits_per_dim(model, config, sched, cfg, device)
         print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f}")
         if not cfg.fid:
             return result  # --bpd alone evaluates; add --fid to sample as well
     extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid else None
+    # The reference statistics first: a missing data set fails before the sampling, not after.
+    reference = reference_statistics(cfg, config.image_size, extractor) if cfg.fid else None
     start = time.perf_counter()
-    images = torch.cat(list(draw(model, config, cfg, device)))
+    images = torch.cat(list(draw(model, config, sched, cfg, device)))
     seconds = time.perf_counter() - start
-    steps = 1000 if cfg.sampler == 'ddpm' else cfg.steps
+    steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
     flops = count_flops(config)['forward'] * steps * len(images)
     result.update(images=len(images), seconds=seconds, img_per_s=len(images) / seconds,
                   tflops=flops / seconds / 1e12, path=write_images(images, cfg))
@@ -227,7 +280,7 @@ def main(cfg: SampleConfig) -> dict:
           f"{result['tflops']:.2f} TFLOP/s (first batch includes compilation); wrote {result['path']}")
     if cfg.fid:
         fake = statistics(features_of(tqdm(images.split(cfg.batch_size), desc='sample features'), extractor))
-        result['fid'] = frechet_distance(fake, reference_statistics(cfg, config.image_size, extractor))
+        result['fid'] = frechet_distance(fake, reference)
         print(f"FID against {cfg.fid_data} ({len(images)} samples): {result['fid']:.3f}")
     return result
 

@@ -5,7 +5,7 @@ Multi-GPU (DDP): torchrun --nproc_per_node 8 train.py --batch-size 1024
 Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 2 bad input,
 3 non-finite loss (the last good checkpoint is kept).
 """
-import argparse
+import contextlib
 import copy
 import json
 import math
@@ -15,7 +15,7 @@ import sys
 import time
 import typing
 import dataclasses
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,12 +23,8 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from model import PRESETS, UNet, count_flops, count_params, get_config, peak_tflops
-
-
-def flag(default, help, **extra):
-    """A config field with its --help text (and choices): build_parser turns it into a flag."""
-    return field(default=default, metadata={'help': help, **extra})
+from data import brief, flag, one_line
+from model import MODEL_VERSION, PRESETS, UNet, count_flops, count_params, get_config, peak_tflops
 
 
 @dataclass
@@ -69,7 +65,8 @@ class TrainConfig:
     ckpt_every: int = flag(5000, 'steps between checkpoints (one is always written at the end)')
     out_dir: str = flag('runs', 'where ckpt.pt and metrics.jsonl go')
     samples_dir: str = flag('ddpm_samples', 'where the sample grids go')
-    resume: str = flag('', 'checkpoint to resume from (must exist and match the architecture)')
+    resume: str = flag('', 'checkpoint to resume from (must exist and match the architecture and data), or auto: '
+                           'OUT_DIR/ckpt.pt when it exists, else a fresh run (for preemptible jobs)')
     seed: int = flag(0, 'seed of initialisation, data order, timesteps and noise')
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
 
@@ -78,6 +75,8 @@ class TrainConfig:
 # recipe, except for the CPU demo model, which must show shapes after a minute on two cores.
 PAPER_TRAINING = {'lr': 2e-4, 'warmup': 5000, 'batch_size': 128}
 PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
+
+NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 
 # Fields a resumed run must share with its checkpoint to continue exactly.
 RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout')
@@ -91,33 +90,9 @@ class NonFiniteLoss(Exception):
     """The loss became NaN or inf; exit code 3."""
 
 
-def build_parser(config_class=TrainConfig, description=__doc__) -> argparse.ArgumentParser:
-    """One flag per dataclass field, with its help text, choices and default."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(config_class):
-        kind = next((a for a in typing.get_args(f.type) if a is not type(None)), f.type)
-        text = f.metadata['help']
-        if f.default is not None and 'default' not in text:
-            text += f' (default: {f.default})'
-        kwargs = dict(default=f.default, help=text)
-        if kind is bool:
-            kwargs['action'] = argparse.BooleanOptionalAction
-        else:
-            kwargs['type'] = kind
-        if 'choices' in f.metadata:
-            kwargs['choices'] = f.metadata['choices']
-        parser.add_argument('--' + f.name.replace('_', '-'), **kwargs)
-
-    def one_line_error(message):
-        print(f'error: {message}', file=sys.stderr)
-        sys.exit(2)
-    parser.error = one_line_error
-    return parser
-
-
-def parse_config(argv=None, config_class=TrainConfig, description=__doc__):
-    """A config dataclass from command-line arguments (sys.argv when argv is None)."""
-    return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
+def parse_config(argv=None) -> TrainConfig:
+    """The TrainConfig of a command line (sys.argv when argv is None)."""
+    return data.parse_config(argv, TrainConfig, __doc__)
 
 
 # ----------------------------------------------------------------------------- set-up
@@ -156,28 +131,69 @@ def pick_device(name: str, local_rank: int) -> torch.device:
 
 
 def validate(cfg: TrainConfig, device: torch.device, world_size: int):
-    if cfg.batch_size < 1:
-        raise ConfigError(f'--batch-size must be at least 1, got {cfg.batch_size}')
-    if cfg.batch_size % world_size:
-        raise ConfigError(f'--batch-size {cfg.batch_size} does not split evenly over {world_size} ranks')
-    if cfg.steps is not None and cfg.steps < 1:
-        raise ConfigError(f'--steps must be at least 1, got {cfg.steps}')
-    if cfg.steps is None and cfg.epochs < 1:
-        raise ConfigError(f'--epochs must be at least 1, got {cfg.epochs}')
-    if cfg.amp == 'fp16' and device.type != 'cuda':
-        raise ConfigError(f'--amp fp16 needs a CUDA device ({device} has no fast fp16 training); '
-                          f'use --amp bf16 or --amp off')
-    if cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
-        raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
-    if cfg.dataset == 'beton' and data.ffcv_missing_reason():
-        raise ConfigError(f'--loader ffcv / --dataset beton: {data.ffcv_missing_reason()}')
-    for name in ('log_every', 'num_samples', 'heldout_size', 'sample_steps', 'shapes_count'):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    """Every flag checked before any work, each failure one ConfigError line."""
+    def require(ok: bool, message: str):
+        if not ok:
+            raise ConfigError(message)
+    require(cfg.batch_size >= 1, f'--batch-size must be at least 1, got {cfg.batch_size}')
+    require(cfg.batch_size % world_size == 0, f'--batch-size {cfg.batch_size} does not split evenly over '
+                                                f'{world_size} ranks')
+    require(cfg.steps is None or cfg.steps >= 1, f'--steps must be at least 1, got {cfg.steps}')
+    require(cfg.steps is not None or cfg.epochs >= 1, f'--epochs must be at least 1, got {cfg.epochs}')
+    require(math.isfinite(cfg.lr) and cfg.lr > 0, f'--lr must be a positive number, got {cfg.lr}')
+    require(cfg.warmup >= 0, f'--warmup must be 0 or more steps, got {cfg.warmup}')
+    require(math.isfinite(cfg.grad_clip) and cfg.grad_clip >= 0, f'--grad-clip must be 0 (off) or positive, '
+                                                                   f'got {cfg.grad_clip}')
+    require(0 <= cfg.ema_decay < 1, f'--ema-decay must be in [0, 1), got {cfg.ema_decay}')
+    require(0 <= cfg.dropout < 1, f'--dropout must be in [0, 1), got {cfg.dropout}')
+    require(cfg.num_workers >= 0, f'--num-workers must be 0 or more, got {cfg.num_workers}')
+    for name in ('log_every', 'num_samples', 'heldout_size', 'shapes_count'):
+        require(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    for name in ('sample_every', 'ckpt_every'):
+        require(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 (never) or more, "
+                                         f"got {getattr(cfg, name)}")
+    require(1 <= cfg.sample_steps <= NUM_TIMESTEPS, f'--sample-steps must be in [1, {NUM_TIMESTEPS}] '
+                                                    f'(the schedule has T={NUM_TIMESTEPS}), got {cfg.sample_steps}')
+    require(not (cfg.amp == 'fp16' and device.type != 'cuda'), f'--amp fp16 needs a CUDA device ({device} has no '
+                                                               f'fast fp16 training); use --amp bf16 or --amp off')
+    require(not (cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported()),
+            '--amp bf16: this GPU does not support bf16; use --amp fp16')
+    require(not (cfg.dataset == 'beton' and data.ffcv_missing_reason()),
+            f'--loader ffcv / --dataset beton: {data.ffcv_missing_reason()}')
     try:
         model_config_of(cfg)
     except ValueError as error:
         raise ConfigError(f'--image-size {cfg.image_size}: {error}') from None
+
+
+def check_writable(folder: str, flag_name: str):
+    """Creates the folder and writes a file in it, so that a bad path fails now, not after
+    hours of training."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f'.write-test-{os.getpid()}')
+        with open(probe, 'w') as f:
+            f.write('ok')
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(f'{flag_name} {folder}: cannot write there ({error.strerror or error})') from None
+
+
+def resolve_resume(cfg: TrainConfig) -> TrainConfig:
+    """--resume auto resumes from OUT/ckpt.pt when there is one and starts fresh otherwise; a
+    fresh run never overwrites a checkpoint (nor appends to another run's metrics.jsonl)."""
+    ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
+    if cfg.resume == 'auto':
+        return dataclasses.replace(cfg, resume=ckpt_path if os.path.isfile(ckpt_path) else '')
+    if not cfg.resume and os.path.isfile(ckpt_path):
+        raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
+                          f'or pass another --out-dir')
+    return cfg
+
+
+def target_reached(ckpt: dict, cfg: TrainConfig) -> bool:
+    """Whether a checkpoint already holds the run's last step (--steps, or --epochs whole epochs)."""
+    return ckpt['step'] >= cfg.steps if cfg.steps else ckpt['epoch'] >= cfg.epochs
 
 
 def setup_distributed():
@@ -235,13 +251,24 @@ def save_checkpoint(state: dict, path: str):
     os.replace(tmp, path)
 
 
+def check_model_version(ckpt: dict, what: str):
+    """Checkpoints of the network before it was made the paper's (version 1: no SiLU before
+    the timestep projections, symmetric downsampling padding, GroupNorm eps 1e-5) have the
+    same tensors but compute another function: refuse them."""
+    version = ckpt.get('model_version', 1)
+    if version != MODEL_VERSION:
+        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
+                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
+
+
 def load_checkpoint(path: str, cfg: TrainConfig, model_config, world_size: int) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f'--resume {path}: no such checkpoint')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as error:
-        raise ConfigError(f'--resume {path}: cannot load it ({type(error).__name__}: {error})') from None
+        raise ConfigError(f'--resume {path}: cannot load it ({brief(error)})') from None
+    check_model_version(ckpt, f'--resume {path}')
     theirs = ckpt.get('model_config') or {}
     diffs = [f'{k}={theirs.get(k)!r} (now {v!r})' for k, v in asdict(model_config).items()
              if theirs.get(k) != v and k not in ('attention', 'dropout')]  # these two hold no weights
@@ -259,21 +286,40 @@ def load_checkpoint(path: str, cfg: TrainConfig, model_config, world_size: int) 
 
 # ----------------------------------------------------------------------------- the run
 
+class StopRequested(Exception):
+    """Raised by a signal inside an interruptible section (evaluation, a grid)."""
+
+
 class StopFlag:
-    """Set by SIGTERM or Ctrl-C; the loop finishes its step, saves and exits. A second
-    Ctrl-C aborts at once."""
+    """Set by SIGTERM or Ctrl-C; the loop finishes its step, saves and exits. A signal that
+    comes during an evaluation or a grid cuts it short (a preempted job has seconds, not
+    minutes). A second Ctrl-C aborts at once."""
 
     def __init__(self):
-        self.reason = None
+        self.reason, self.in_interruptible = None, False
 
     def __call__(self, signum, frame):
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.reason = signal.Signals(signum).name
+        if self.in_interruptible:
+            raise StopRequested(self.reason)
 
     def install(self):
         previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
         return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Work inside may be abandoned by a signal (StopRequested); none of it starts once
+        a stop is requested."""
+        if self.reason is not None:
+            raise StopRequested(self.reason)
+        self.in_interruptible = True
+        try:
+            yield
+        finally:
+            self.in_interruptible = False
 
 
 def any_rank(flag: bool, group) -> bool:
@@ -301,13 +347,15 @@ def heldout_losses(model, sched, heldout, cfg: TrainConfig, device) -> torch.Ten
     model.eval()
     images, t, noise = heldout
     losses = []
-    for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
-        x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
-        if cfg.channels_last:
-            x0 = x0.contiguous(memory_format=torch.channels_last)
-        with autocast(cfg, device):
-            losses.append(diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk], per_example=True))
-    model.train(was_training)
+    try:
+        for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
+            x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
+            if cfg.channels_last:
+                x0 = x0.contiguous(memory_format=torch.channels_last)
+            with autocast(cfg, device):
+                losses.append(diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk], per_example=True))
+    finally:  # also when a stop cuts the evaluation short: training goes on in training mode
+        model.train(was_training)
     return torch.cat(losses).cpu()
 
 
@@ -327,7 +375,7 @@ def make_heldout(cfg: TrainConfig, device, num_steps: int):
 def write_sample_grid(ema, sched, cfg: TrainConfig, device, path: str):
     from torchvision.utils import save_image
     shape = (cfg.num_samples, 3, cfg.image_size, cfg.image_size)
-    generator = torch.Generator().manual_seed(cfg.seed)  # the same noise for every grid
+    generator = torch.Generator(device).manual_seed(cfg.seed)  # the same noise for every grid
     with autocast(cfg, device):
         if cfg.sampler == 'ddpm':
             images = diffusion.ddpm_sample(ema, sched, shape, generator, device)
@@ -346,18 +394,50 @@ def precision_name(cfg: TrainConfig, device: torch.device) -> str:
 def main(cfg: TrainConfig) -> dict:
     rank, local_rank, world_size = setup_distributed()
     device = pick_device(cfg.device, local_rank)
-    cfg = resolve_defaults(cfg, device)
+    cfg = resolve_defaults(resolve_resume(cfg), device)
     validate(cfg, device, world_size)
     model_config = model_config_of(cfg)
     ckpt = load_checkpoint(cfg.resume, cfg, model_config, world_size) if cfg.resume else None
+    if ckpt is not None and target_reached(ckpt, cfg):
+        target = f'--steps {cfg.steps}' if cfg.steps else f'--epochs {cfg.epochs}'
+        past = ckpt['step'] > cfg.steps if cfg.steps else (ckpt['epoch'], ckpt['batch_in_epoch']) > (cfg.epochs, 0)
+        print(f"{cfg.resume} holds step {ckpt['step']} (epoch {ckpt['epoch']}, batch {ckpt['batch_in_epoch']}), "
+              f"{'past' if past else 'at'} the target {target}: nothing to train. Raise {target.split()[0]} to "
+              f"train on.", flush=True)
+        return {'step': ckpt['step'], 'stopped': None, 'last': {}, 'checkpoint': cfg.resume, 'already_done': True}
+    check_writable(cfg.out_dir, '--out-dir')
+    if cfg.sample_every:
+        check_writable(cfg.samples_dir, '--samples-dir')
+    remove_stale_temporary(os.path.join(cfg.out_dir, 'ckpt.pt'), rank)
     control_group = init_process_group(device, rank, world_size)
     try:
         run = build_run(cfg, device, rank, world_size, progress=rank == 0)
+        if ckpt is not None:
+            check_same_data(ckpt, run, cfg.resume)
         step = restore(run, ckpt) if ckpt else 0
         return train(run, step, control_group)
     finally:
         if world_size > 1:
             dist.destroy_process_group()
+
+
+def remove_stale_temporary(ckpt_path: str, rank: int):
+    """A ckpt.pt.tmp left by a write that was killed is garbage (the rename never happened)."""
+    tmp = ckpt_path + '.tmp'
+    if rank == 0 and os.path.exists(tmp):
+        os.remove(tmp)
+        print(f'removed {tmp}, left by a checkpoint write that did not finish ({ckpt_path} is intact)', flush=True)
+
+
+def check_same_data(ckpt: dict, run: 'Run', path: str):
+    """An exact resume needs the same images: the checkpoint records their count and fingerprint."""
+    saved = ckpt.get('data')
+    if saved is None:
+        return  # a checkpoint from before fingerprints: the config check is all there is
+    if saved['count'] != run.num_images or saved['fingerprint'] != run.data_fingerprint:
+        raise ConfigError(f"--resume {path}: the checkpoint was trained on another data set ({saved['count']} images, "
+                          f"fingerprint {saved['fingerprint'][:12]}); {run.cfg.data_dir} has {run.num_images} images, "
+                          f"fingerprint {run.data_fingerprint[:12]}")
 
 
 def model_config_of(cfg: TrainConfig):
@@ -381,6 +461,7 @@ class Run:
     loader: typing.Any
     loader_kind: str
     num_images: int
+    data_fingerprint: str
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None) -> Run:
@@ -412,7 +493,8 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     if cfg.compile:
         net = torch.compile(net, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     return Run(cfg, device, rank, world_size, model, ema, net, optimizer, scaler,
-               diffusion.make_schedule(1000, cfg.schedule).to(device), loader, loader_kind, len(dataset))
+               diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).to(device), loader, loader_kind, len(dataset),
+               data.fingerprint(dataset))
 
 
 def restore(run: Run, ckpt: dict) -> int:
@@ -471,7 +553,8 @@ def checkpoint_state(run: Run, step: int, control_group) -> dict:
     return {'model': run.model.state_dict(), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
             'epoch': epoch, 'batch_in_epoch': batch, 'config': asdict(run.cfg),
-            'model_config': asdict(run.model.config), 'rng': rng_all}
+            'model_config': asdict(run.model.config), 'model_version': MODEL_VERSION, 'rng': rng_all,
+            'data': {'count': run.num_images, 'fingerprint': run.data_fingerprint}}
 
 
 def total_loss(loss_sum: torch.Tensor, run: Run) -> float:
@@ -483,10 +566,14 @@ def total_loss(loss_sum: torch.Tensor, run: Run) -> float:
 
 
 class Logger:
-    """metrics.jsonl, the progress bar and the held-out loss; active on rank 0 only."""
+    """metrics.jsonl, the progress bar and the held-out loss; active on rank 0 only.
 
-    def __init__(self, run: Run, step: int, total_steps: int):
-        cfg, self.run = run.cfg, run
+    Speed is of the training steps alone: the clock is paused while a grid, a checkpoint or
+    the held-out loss is computed, and the first step of a process (which compiles) is timed
+    on its own as `first_step_s`. `train_seconds` sums the timed training time."""
+
+    def __init__(self, run: Run, step: int, total_steps: int, stop: StopFlag = None):
+        cfg, self.run, self.stop = run.cfg, run, stop or StopFlag()
         self.active = run.rank == 0
         self.path = os.path.join(cfg.out_dir, 'metrics.jsonl')
         self.flops = count_flops(run.model.config, cfg.image_size)
@@ -494,11 +581,13 @@ class Logger:
         self.peak = peak_tflops(name, precision_name(cfg, run.device)) if name else None
         self.heldout = make_heldout(cfg, run.device, run.sched.num_steps) if self.active else None
         self.bar = tqdm(total=total_steps, initial=step, disable=not self.active, dynamic_ncols=True, desc='train')
-        self.interval_start, self.last = time.perf_counter(), {}
+        self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
+        self.interval_start, self.paused_s, self.train_seconds, self.last = time.perf_counter(), 0.0, 0.0, {}
+        self.grids = []
         if self.active:
-            os.makedirs(cfg.out_dir, exist_ok=True)
             self.write({'config': asdict(cfg), 'model_config': asdict(run.model.config), 'start_step': step,
-                        'world_size': run.world_size, 'loader': run.loader_kind, 'device': str(run.device)})
+                        'world_size': run.world_size, 'loader': run.loader_kind, 'device': str(run.device),
+                        'data': {'count': run.num_images, 'fingerprint': run.data_fingerprint}})
             self.print(f'{cfg.preset}: {count_params(run.model) / 1e6:.2f}M parameters, '
                        f'{self.flops["train"] / 1e9:.2f} GFLOP/image per training step; {run.num_images} images, '
                        f'loader {run.loader_kind}, {run.world_size} rank(s), {total_steps} steps of batch '
@@ -512,43 +601,99 @@ class Logger:
         with open(self.path, 'a') as f:
             f.write(json.dumps(row) + '\n')
 
-    def interval(self, step: int, steps: int, mean_loss: float):
+    def after_first_step(self):
+        """Waits for the first step (one host sync per process) and starts the clock after it."""
+        if self.first_step_s is None:
+            synchronize(self.run.device)
+            self.first_step_s = time.perf_counter() - self.interval_start
+            self.interval_start, self.paused_s = time.perf_counter(), 0.0
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Time spent inside is not training time (grids, checkpoints)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.paused_s += time.perf_counter() - start
+
+    def interval(self, step: int, steps: int, mean_loss: float, evaluate: bool = True):
+        """A metrics row for the `steps` steps since the last one. img/s is the whole job's;
+        MFU is per GPU (one rank's share of the throughput over one GPU's peak)."""
         cfg = self.run.cfg
-        img_per_s = steps * cfg.batch_size / (time.perf_counter() - self.interval_start)
+        seconds = time.perf_counter() - self.interval_start - self.paused_s
+        timed = steps - self.untimed_steps
+        self.untimed_steps = 0
+        self.train_seconds += seconds
+        img_per_s = timed * cfg.batch_size / seconds if timed > 0 and seconds > 0 else None
+        per_gpu = img_per_s / self.run.world_size if img_per_s else None
         row = {'step': step, 'epoch': step / self.run.loader.batches_per_epoch, 'loss': mean_loss,
-               'lr': lr_at(step - 1, cfg), 'img_per_s': img_per_s,
-               'mfu': img_per_s * self.flops['train'] / (self.peak * 1e12) if self.peak else None}
+               'lr': lr_at(step - 1, cfg), 'img_per_s': img_per_s, 'img_per_s_per_gpu': per_gpu,
+               'mfu': per_gpu * self.flops['train'] / (self.peak * 1e12) if self.peak and per_gpu else None,
+               'train_hours': self.train_seconds / 3600}
+        if not self.last:
+            row['first_step_s'] = self.first_step_s  # compilation and the first step, kept out of img/s
         if self.active:
-            row['heldout_loss'] = heldout_loss(self.run.model, self.run.sched, self.heldout, cfg, self.run.device)
-            row['heldout_loss_ema'] = heldout_loss(self.run.ema, self.run.sched, self.heldout, cfg, self.run.device)
+            if evaluate:
+                try:
+                    with self.stop.interruptible():
+                        row['heldout_loss'] = heldout_loss(self.run.model, self.run.sched, self.heldout, cfg,
+                                                           self.run.device)
+                        row['heldout_loss_ema'] = heldout_loss(self.run.ema, self.run.sched, self.heldout, cfg,
+                                                               self.run.device)
+                except StopRequested:
+                    row.pop('heldout_loss', None)  # cut short by a stop: the row without it
             self.write(row)
-            self.bar.set_postfix(loss=f'{mean_loss:.4f}', img_s=f'{img_per_s:.0f}')
+            self.bar.set_postfix(loss=f'{mean_loss:.4f}', img_s=f'{img_per_s or 0:.0f}')
         self.last = row
-        self.interval_start = time.perf_counter()
+        self.interval_start, self.paused_s = time.perf_counter(), 0.0
+
+    def grid(self, path: str):
+        """A grid of EMA samples; a failure to write it is reported and training goes on."""
+        run = self.run
+        if run.ema is None:
+            return
+        with self.paused():
+            try:
+                with self.stop.interruptible():
+                    write_sample_grid(run.ema, run.sched, run.cfg, run.device, path)
+                self.grids.append(path)
+            except StopRequested:
+                self.print(f'{path}: left out, a stop was requested')
+            except OSError as error:
+                self.print(f'warning: could not write the sample grid {path} ({brief(error)}); training goes on')
+
+
+def synchronize(device: torch.device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
 
 
 def train(run: Run, step: int, control_group=None) -> dict:
-    """The loop: steps, then at the right steps a log line, a sample grid, a stop check and a
-    checkpoint. The device is only synchronised at log intervals and checkpoints."""
+    """The loop: steps, then at the right steps a log line, a checkpoint, a stop check and a
+    sample grid. The device is only synchronised at log intervals and checkpoints. On SIGTERM
+    or Ctrl-C the step finishes and the checkpoint is saved at once: no evaluation, no grid."""
     cfg, per_epoch = run.cfg, run.loader.batches_per_epoch
     total_steps = cfg.steps or cfg.epochs * per_epoch
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    logger = Logger(run, step, total_steps)
+    stop = StopFlag()
+    logger = Logger(run, step, total_steps, stop)
     last_good = f'{cfg.resume} (step {step}, resumed from)' if cfg.resume else None
     loss_sum, unlogged, stopped = torch.zeros((), device=run.device), 0, None
-    stop = StopFlag()
     restore_signals = stop.install()
     start_time = time.perf_counter()
     try:
         for x0 in batches(run, step):
             loss_sum += train_step(run, x0, step)
             step, unlogged = step + 1, unlogged + 1
+            logger.after_first_step()
             logger.bar.update(1)
-            at_end = step == total_steps
+            at_end = step >= total_steps
             if run.world_size == 1:
                 stopped = stop.reason
-            elif step % 10 == 0 and any_rank(stop.reason is not None, control_group):
-                stopped = stop.reason or 'a signal on another rank'  # ranks agree every 10 steps
+            elif step % 10 == 0 or at_end:  # ranks agree on a stop every 10 steps (every rank must call)
+                if any_rank(stop.reason is not None, control_group):
+                    stopped = stop.reason or 'a signal on another rank'
             must_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or at_end or stopped
             if step % cfg.log_every == 0 or at_end or (must_save and unlogged):
                 # Never log or save past a non-finite loss.
@@ -557,20 +702,19 @@ def train(run: Run, step: int, control_group=None) -> dict:
                     raise NonFiniteLoss(f'the loss became {mean_loss} between steps {step - unlogged + 1} and '
                                         f'{step}; stopping. ' + (f'The last good checkpoint is {last_good}.'
                                         if last_good else 'No checkpoint was written by this run.'))
-                logger.interval(step, unlogged, mean_loss)
+                logger.interval(step, unlogged, mean_loss, evaluate=not stopped)
                 loss_sum.zero_()
                 unlogged = 0
-            if step % per_epoch == 0 and cfg.sample_every and (step // per_epoch) % cfg.sample_every == 0 \
-                    and run.ema is not None:
-                write_sample_grid(run.ema, run.sched, cfg, run.device,
-                                  os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'))
-            if must_save:
-                state = checkpoint_state(run, step, control_group)
-                if run.rank == 0:
-                    save_checkpoint(state, ckpt_path)
+            if must_save:  # before the grid: a failing grid never costs a checkpoint
+                with logger.paused():
+                    state = checkpoint_state(run, step, control_group)
+                    if run.rank == 0:
+                        save_checkpoint(state, ckpt_path)
                 last_good = f'{ckpt_path} (step {step})'
             if at_end or stopped:
                 break
+            if step % per_epoch == 0 and cfg.sample_every and (step // per_epoch) % cfg.sample_every == 0:
+                logger.grid(os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'))
     finally:
         logger.bar.close()
         restore_signals()
@@ -578,31 +722,27 @@ def train(run: Run, step: int, control_group=None) -> dict:
 
 
 def finish(run: Run, step: int, stopped, logger: Logger, ckpt_path: str, seconds: float, control_group) -> dict:
+    """The end of a run: the DDP weight check, and (unless stopped by a signal) the last grid."""
     cfg = run.cfg
     if run.world_size > 1:
         identical = ranks_identical(run.model, control_group)
         logger.print(f'ranks hold identical weights: {identical}')
         if not identical:
             raise RuntimeError('DDP ranks ended with different weights')
-    if run.ema is not None and step % run.loader.batches_per_epoch and cfg.sample_every:
-        write_sample_grid(run.ema, run.sched, cfg, run.device, os.path.join(cfg.samples_dir, f'step_{step:07d}.png'))
     last = logger.last
     if stopped:
         logger.print(f'stopped by {stopped} at step {step}: checkpoint saved to {ckpt_path}; '
                      f'continue with --resume {ckpt_path}')
-    else:
-        logger.print(f'done: {step} steps in {seconds:.1f}s; loss {last.get("loss", float("nan")):.4f}, '
-                     f'held-out loss {last.get("heldout_loss", float("nan")):.4f} (EMA '
-                     f'{last.get("heldout_loss_ema", float("nan")):.4f}); checkpoint {ckpt_path}, '
-                     f'samples in {cfg.samples_dir}/')
+        return {'step': step, 'stopped': stopped, 'last': last, 'checkpoint': ckpt_path}
+    per_epoch = run.loader.batches_per_epoch
+    if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
+        name = f'epoch_{step // per_epoch:04d}.png' if step % per_epoch == 0 else f'step_{step:07d}.png'
+        logger.grid(os.path.join(cfg.samples_dir, name))
+    samples = f', samples in {cfg.samples_dir}/' if logger.grids else ''
+    logger.print(f'done: {step} steps in {seconds:.1f}s; loss {last.get("loss", float("nan")):.4f}, '
+                 f'held-out loss {last.get("heldout_loss", float("nan")):.4f} (EMA '
+                 f'{last.get("heldout_loss_ema", float("nan")):.4f}); checkpoint {ckpt_path}{samples}')
     return {'step': step, 'stopped': stopped, 'last': last, 'checkpoint': ckpt_path}
-
-
-def one_line(error: Exception) -> str:
-    """The message of an error, also when a DataLoader worker wrapped it in a traceback."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    last = lines[-1] if lines else type(error).__name__
-    return last.split('DataError: ', 1)[-1]
 
 
 def cli(argv=None) -> int:

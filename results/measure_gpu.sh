@@ -1,48 +1,104 @@
 #!/usr/bin/env bash
-# The GPU measurements the README and results/ are waiting for, one part per call of at most
-# 10 minutes (the device tool's limit). Run from the repository root on the GPU machine:
+# The GPU measurements, as parts that each end well inside 10 minutes on one H100 and leave at
+# most 8 files (no checkpoints) in the output folder. Run from the repository root:
 #
-#   bash results/measure_gpu.sh warm       # compile every ladder row once: fills the caches
-#   bash results/measure_gpu.sh ladder     # the ddpm-cifar10 ladder + diffusers peer + sampling speed
-#   bash results/measure_gpu.sh small      # the ladder for the ~9M `small` preset
-#   bash results/measure_gpu.sh profile    # torch.profiler of the best row
-#   bash results/measure_gpu.sh loaders    # data paths vs the step's consumption, + batch sweep
-#   bash results/measure_gpu.sh quality    # the equivalence check, ddpm-cifar10, 2000 steps
-#   bash results/measure_gpu.sh train      # a short bf16 + compile train.py run (img/s as train.py sees it)
+#   bash results/measure_gpu.sh PART OUT_DIR            # on the GPU machine
+#   bash results/measure_gpu.sh PART OUT_DIR --quick    # the same wiring on a CPU, tiny preset (tested)
 #
-# Outputs go to $OUT (the device tool's folder) or results/gpu-out; copy them into results/
-# with the command that made them. Inductor's caches live in .cache/ (git-ignored), which
-# the device tool keeps between calls while the machine stays warm, so `warm` first makes the
-# timed parts compile from cache.
+# Parts, in the order of results/NOTES.md's playbook (the headline first):
+#   headline  the baseline, our fastest default-compile row and diffusers' UNet2DModel peer
+#   ladder    every default-compile row of the ladder, in one process
+#   profile   torch.profiler of the fastest default-compile row, and sampling speed
+#   gputests  tests/test_gpu.py and a short train.py run (img/s as train.py logs it)
+#   autotune  the compile max-autotune row without CUDA graphs (minutes of autotuning)
+#   graphs    the compile max-autotune + CUDA graphs row (autotunes again: no cache survives a call)
+#   quality   the equivalence check: baseline vs all default speed-ups, 600 steps
+#   loaders   images/s of each data path beside the step's consumption
+#   sweep     batch sizes 128, 512 and 2048 around the fastest default-compile row
+#   small     the ladder for the ~9M `small` preset
+#   all       every part above in turn (the --quick test runs this)
 #
-# Packages the GPU image lacks travel as wheels in .whl/ (git-ignored; carry ".whl"):
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl diffusers torchinfo torch-fidelity
+# The GPU image lacks diffusers, torchinfo and torch-fidelity: they travel as pure-Python wheels
+# in .whl/ (git-ignored), pinned to the versions below and checked before anything runs:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
+#       diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0
 set -euo pipefail
-part=${1:?usage: bash results/measure_gpu.sh warm|ladder|small|profile|loaders|quality|train}
-out=${OUT:-results/gpu-out}
-mkdir -p "$out" .cache
-export PYTHONUNBUFFERED=1 TORCHINDUCTOR_CACHE_DIR=$PWD/.cache/inductor TRITON_CACHE_DIR=$PWD/.cache/triton
-if ls .whl/*.whl >/dev/null 2>&1; then
+usage="usage: bash results/measure_gpu.sh headline|ladder|profile|gputests|autotune|graphs|quality|loaders|sweep|small|all OUT_DIR [--quick]"
+part=${1:?$usage}
+out=${2:?$usage}
+quick=${3:-}
+PINNED=(diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0)
+DEFAULT_ROWS="Baseline,Scale up,torch.compile,SDPA,Mixed precision,Channels-last,Fused Adam,FFCV,resident data"
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+scratch=$(mktemp -d)  # data, .beton files and training runs: never in the output folder
+trap 'rm -rf "$scratch"' EXIT
+
+if [ "$quick" = "--quick" ]; then
+  common=(--device cpu --quick --data-dir "$scratch/data")
+  preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
+  sweep_values=4,8,16
+  train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3)
+else
+  [ -z "$quick" ] || { echo "$usage" >&2; exit 2; }
+  for pin in "${PINNED[@]}"; do
+    name=${pin%%==*}; version=${pin##*==}
+    ls .whl/"${name//-/_}"-"$version"-*.whl >/dev/null 2>&1 || {
+      echo "error: .whl/ lacks $pin; on a machine with network: python3 -m pip download --no-deps" \
+           "--only-binary=:all: -d .whl ${PINNED[*]}" >&2; exit 2; }
+  done
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
+  python3 -c '
+import importlib.metadata, sys
+for pin in sys.argv[1:]:
+    name, version = pin.split("==")
+    found = importlib.metadata.version(name)
+    if found != version:
+        sys.exit(f"error: {name} {found} is installed, the pinned version is {version}")
+import diffusers, torch_fidelity, torchinfo  # they must import with the image'"'"'s packages
+' "${PINNED[@]}"
+  common=(--device cuda --data-dir "$scratch/data")
+  preset=ddpm-cifar10; small_preset=small; small_rows=$DEFAULT_ROWS
+  sweep_values=128,512,2048  # each size compiles anew: three fit in one call
+  train_flags=(--device cuda --steps 600 --log-every 100)
 fi
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$out/nvidia-smi-$part.txt"
-python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
-log="$out/$part.log"
-case "$part" in
-  warm)     python3 benchmark.py --iters 2 --warmup 0 --no-sampling --no-peer --out-dir "$out/warm" 2>&1 | tee "$log" ;;
-  ladder)   python3 benchmark.py --preset ddpm-cifar10 --out-dir "$out" 2>&1 | tee "$log" ;;
-  small)    python3 benchmark.py --preset small --no-sampling --out-dir "$out" 2>&1 | tee "$log" ;;
-  profile)  python3 benchmark.py --preset ddpm-cifar10 --profile --out-dir "$out" 2>&1 | tee "$log"
-            gzip -f "$out/traces/"*.json && mv "$out/traces/"*.json.gz "$out/" ;;
-  loaders)  python3 benchmark.py --preset ddpm-cifar10 --loader-only --out-dir "$out" 2>&1 | tee "$log"
-            python3 benchmark.py --preset ddpm-cifar10 --sweep batch --out-dir "$out" 2>&1 | tee -a "$log" ;;
-  quality)  python3 benchmark.py --preset ddpm-cifar10 --quality --steps 2000 --out-dir "$out" 2>&1 | tee "$log" ;;
-  train)    python3 -m pytest -q tests/test_gpu.py 2>&1 | tee "$out/test_gpu.log" || echo "GPU tests failed: see test_gpu.log"
-            python3 train.py --dataset shapes --shapes-count 50000 --steps 600 --log-every 100 --sample-every 0 \
-              --out-dir "$out/train-run" 2>&1 | tee "$log"
-            cp "$out/train-run/metrics.jsonl" "$out/train-metrics.jsonl" ;;
-  *) echo "unknown part: $part" >&2; exit 2 ;;
-esac
+
+environment() {  # what ran it
+  { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null || true
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$out/$1-environment.txt"
+}
+
+bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log
+  local log=$out/$1.log stem=$2; shift 2
+  python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" --stem "$stem" "$@" 2>&1 | tee -a "$log"
+}
+
+run_part() {
+  environment "$1"
+  case "$1" in
+    headline) bench headline headline --rows "Baseline,resident data" --no-sampling ;;
+    ladder)   bench ladder ladder --rows "$DEFAULT_ROWS" --no-peer --no-sampling --iters 20 --warmup 5 ;;
+    profile)  bench profile profile --profile
+              gzip -c "$out/traces/profile.json" > "$out/profile-trace.json.gz" && rm -r "$out/traces"
+              bench profile sampling --sampling-only ;;
+    gputests) { python3 -m pytest -q tests/test_gpu.py || echo "GPU tests failed"; } 2>&1 | tee "$out/gputests.log"
+              python3 train.py "${train_flags[@]}" --dataset shapes --shapes-count 4096 --sample-every 0 \
+                --out-dir "$scratch/train" 2>&1 | tee -a "$out/gputests.log"
+              cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl" ;;
+    autotune) bench autotune autotune --rows "Baseline,no CUDA graphs" --no-peer --no-sampling --iters 20 ;;
+    graphs)   bench graphs graphs --rows "Baseline,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;
+    quality)  bench quality quality --quality --steps 600 ;;
+    loaders)  bench loaders loaders --loader-only ;;
+    sweep)    bench sweep sweep --sweep batch --sweep-values "$sweep_values" --iters 20 ;;
+    small)    preset=$small_preset bench small small --rows "$small_rows" --no-peer --no-sampling ;;
+    *) echo "$usage" >&2; exit 2 ;;
+  esac
+}
+
+if [ "$part" = all ]; then
+  for p in headline ladder profile gputests autotune graphs quality loaders sweep small; do run_part "$p"; done
+else
+  run_part "$part"
+fi

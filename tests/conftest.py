@@ -9,6 +9,6 @@ sys.path.insert(0, ROOT)
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
-@pytest.fixture
+@pytest.fixture(scope='session')
 def root():
     return ROOT

@@ -21,14 +21,29 @@ def test_shapes_deterministic_and_structured():
 
 
 def test_epoch_order_depends_on_seed_and_epoch_only():
-    p0, f0 = data.epoch_order(100, seed=3, epoch=0)
-    p0b, f0b = data.epoch_order(100, seed=3, epoch=0)
-    p1, _ = data.epoch_order(100, seed=3, epoch=1)
-    q0, _ = data.epoch_order(100, seed=4, epoch=0)
+    p0, f0 = data.epoch_order(10_000, seed=3, epoch=0)
+    p0b, f0b = data.epoch_order(10_000, seed=3, epoch=0)
+    p1, f1 = data.epoch_order(10_000, seed=3, epoch=1)
+    q0, _ = data.epoch_order(10_000, seed=4, epoch=0)
     assert torch.equal(p0, p0b) and torch.equal(f0, f0b)
-    assert sorted(p0.tolist()) == list(range(100))
-    assert not torch.equal(p0, p1) and not torch.equal(p0, q0)
-    assert 20 < f0.sum() < 80
+    assert sorted(p0.tolist()) == list(range(10_000))  # every image once per epoch
+    # Each epoch and each seed its own order: few images keep their place.
+    for other in (p1, q0):
+        assert (p0 == other).sum() < 10
+    # About half the images flipped (binomial: 5000 +- 50), independently between epochs.
+    assert abs(f0.sum().item() - 5000) < 250 and abs(f1.sum().item() - 5000) < 250
+    assert abs((f0 == f1).sum().item() - 5000) < 250
+
+
+def test_loader_epochs_differ_and_cover_the_set():
+    images = torch.arange(64, dtype=torch.uint8).view(64, 1, 1, 1).expand(64, 3, 2, 2).contiguous()
+    loader = data.GPULoader(images, 8, seed=0, device='cpu')
+    seen = []
+    for epoch in range(2):
+        batches = torch.cat(list(loader.epoch(epoch)))
+        seen.append(((batches[:, 0, 0, 0] + 1) * 127.5).round().long())  # back to the image index
+    assert sorted(seen[0].tolist()) == list(range(64)) == sorted(seen[1].tolist())
+    assert not torch.equal(seen[0], seen[1])
 
 
 def test_gpu_and_torch_loaders_yield_the_same_batches():
@@ -151,3 +166,41 @@ def test_choose_loader():
     dataset = data.ImageTensorDataset(data.make_shapes(4, 8))
     assert data.choose_loader('torch', len(dataset) * dataset[0].numel(), 'cpu') == 'torch'
     assert data.choose_loader('auto', len(dataset) * dataset[0].numel(), 'cpu') == 'gpu'  # tiny set: device-resident
+
+
+def test_sixteen_bit_grayscale_keeps_its_levels(tmp_path):
+    from PIL import Image
+    import numpy as np
+    ramp = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / 'deep.png')
+    with Image.open(tmp_path / 'deep.png') as image:
+        assert image.mode == 'I;16'  # what PIL makes of it; its convert('RGB') would clip to white
+    (image,) = data.ImageFolderDataset(str(tmp_path), 32)
+    expected = torch.from_numpy(np.round(ramp / 257.0).astype(np.uint8))
+    assert all(torch.equal(image[c], expected) for c in range(3))
+    assert 120 < image.float().mean() < 135  # mid-grey on average, as the ramp is
+
+
+def test_every_image_is_decoded_before_training(tmp_path):
+    from PIL import Image
+    import numpy as np
+    write_image_folder(tmp_path, count=6)
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(tmp_path / 'zz-cut.jpg', quality=95)
+    whole = (tmp_path / 'zz-cut.jpg').read_bytes()
+    (tmp_path / 'zz-cut.jpg').write_bytes(whole[:len(whole) // 2])
+    Image.fromarray(noise).save(tmp_path / 'aa-cut.png')
+    whole = (tmp_path / 'aa-cut.png').read_bytes()
+    (tmp_path / 'aa-cut.png').write_bytes(whole[:len(whole) - 200])
+    with pytest.raises(data.DataError, match='aa-cut.png'):  # the first broken one in sorted order
+        data.load_dataset('folder', str(tmp_path), 16)
+    (tmp_path / 'aa-cut.png').unlink()
+    with pytest.raises(data.DataError, match='zz-cut.jpg'):
+        data.load_dataset('folder', str(tmp_path), 16)
+
+
+def test_fingerprint_tells_data_sets_apart():
+    a = data.ImageTensorDataset(data.make_shapes(100, 8, seed=0))
+    assert data.fingerprint(a) == data.fingerprint(data.ImageTensorDataset(data.make_shapes(100, 8, seed=0)))
+    assert data.fingerprint(a) != data.fingerprint(data.ImageTensorDataset(data.make_shapes(100, 8, seed=1)))
+    assert data.fingerprint(a) != data.fingerprint(data.ImageTensorDataset(data.make_shapes(101, 8, seed=0)))

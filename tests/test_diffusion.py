@@ -37,9 +37,15 @@ def test_cosine_schedule():
     f = lambda t: math.cos((t / 1000 + s) / (1 + s) * math.pi / 2) ** 2  # Nichol & Dhariwal eq. 17
     for t in [0, 100, 500, 900]:
         assert math.isclose(abar[t], f(t + 1) / f(0), rel_tol=1e-6)
-    assert (sched.betas <= 0.999).all()
+    assert (sched.betas <= 0.999).all() and sched.betas[-1] == 0.999  # the last steps are clipped
     with pytest.raises(ValueError):
         make_schedule(10, 'quadratic')
+
+
+def test_cosine_schedule_matches_diffusers():
+    diffusers = pytest.importorskip('diffusers')
+    ref = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule='squaredcos_cap_v2')
+    assert np.allclose(ref.betas.numpy(), make_schedule(1000, 'cosine').betas.numpy(), rtol=1e-5, atol=1e-7)
 
 
 def test_q_sample_mean_and_variance():
@@ -126,11 +132,126 @@ def test_ddim_step_matches_diffusers():
 
 
 def test_ddim_timesteps():
+    # The DDIM code's 'uniform' skip and diffusers' 'leading' spacing: every (T // S)-th step from 0.
     assert ddim_timesteps(1000, 1000) == list(range(1000))
-    steps = ddim_timesteps(1000, 50)
-    assert len(steps) == 50 and steps[0] == 0 and steps[-1] == 999
-    with pytest.raises(ValueError):
-        ddim_timesteps(1000, 0)
+    assert ddim_timesteps(1000, 50) == list(range(0, 1000, 20))
+    assert ddim_timesteps(1000, 3) == [0, 333, 666]
+    assert ddim_timesteps(1000, 1) == [0]
+    for bad in (0, 1001):
+        with pytest.raises(ValueError):
+            ddim_timesteps(1000, bad)
+
+
+class SmoothEps(torch.nn.Module):
+    """A deterministic stand-in for a trained network: the exact noise prediction for data
+    ~ N(0.3, 0.5^2) per pixel under the linear schedule (written out here), plus a nonlinear
+    term, so that samples keep their spread instead of collapsing to one point."""
+
+    abar = np.cumprod(1 - np.linspace(1e-4, 0.02, 1000))
+
+    def forward(self, x, t):
+        a = torch.from_numpy(self.abar)[t].to(x.dtype).view(-1, 1, 1, 1)
+        return (1 - a).sqrt() * (x - a.sqrt() * 0.3) / (a * 0.25 + 1 - a) + 0.05 * torch.sin(3 * x)
+
+
+def diffusers_scheduler(kind, **kwargs):
+    diffusers = pytest.importorskip('diffusers')
+    cls = {'ddpm': diffusers.DDPMScheduler, 'ddim': diffusers.DDIMScheduler}[kind]
+    return _float64_tables(cls(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4, beta_end=0.02,
+                               clip_sample=True, **kwargs))
+
+
+def diffusers_loop(scheduler, shape, seed, steps, **step_kwargs):
+    """diffusers' own sampling loop (as in its pipelines), in float64, from a CPU generator."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=generator, dtype=torch.float64)
+    scheduler.set_timesteps(steps)
+    model = SmoothEps()
+    for t in scheduler.timesteps:
+        eps = model(x, torch.full((shape[0],), int(t)))
+        x = scheduler.step(eps, t, x, generator=generator, **step_kwargs).prev_sample
+    return x.clamp(-1, 1)
+
+
+@pytest.mark.parametrize('variance', ['fixedlarge', 'fixedsmall'])
+def test_whole_ddpm_sampler_matches_diffusers(variance):
+    # All 1000 ancestral steps, the same noise in the same order: the timestep sequence, the
+    # variance, the clipping and the noise-free last step are all checked at once.
+    scheduler = diffusers_scheduler('ddpm', variance_type={'fixedlarge': 'fixed_large',
+                                                           'fixedsmall': 'fixed_small'}[variance])
+    shape = (2, 3, 4, 4)
+    theirs = diffusers_loop(scheduler, shape, seed=11, steps=1000)
+    ours = ddpm_sample(SmoothEps(), make_schedule(1000), shape, torch.Generator().manual_seed(11),
+                       variance=variance, dtype=torch.float64)
+    assert ours.dtype == torch.float64
+    assert (ours - theirs).abs().max() < 1e-6
+    assert theirs.std() > 0.1  # not a trivial output
+
+
+@pytest.mark.parametrize('steps, eta', [(50, 0.0), (50, 1.0), (7, 0.5)])
+def test_whole_ddim_sampler_matches_diffusers(steps, eta):
+    scheduler = diffusers_scheduler('ddim', set_alpha_to_one=True)
+    shape = (2, 3, 4, 4)
+    theirs = diffusers_loop(scheduler, shape, seed=5, steps=steps, eta=eta)
+    ours = ddim_sample(SmoothEps(), make_schedule(1000), shape, steps, eta, torch.Generator().manual_seed(5),
+                       dtype=torch.float64)
+    assert (ours - theirs).abs().max() < 1e-6
+    assert theirs.std() > 0.1
+
+
+def test_training_timesteps_cover_every_step_uniformly():
+    seen = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x, t):
+            seen.append(t)
+            return torch.zeros_like(x)
+    torch.manual_seed(0)
+    sched = make_schedule(1000)
+    x0 = torch.zeros(50_000, 1, 1, 1)
+    loss = training_loss(Recorder(), sched, x0)
+    t = torch.cat(seen)
+    assert t.min() == 0 and t.max() == 999
+    counts = torch.bincount(t // 100, minlength=10).float()  # 10 bins of 100 steps, 5000 expected in each
+    assert (counts - 5000).abs().max() < 350  # ~5 standard deviations
+    # The default noise is standard normal: with x_0 = 0 and a zero prediction the loss is E[eps^2] = 1.
+    assert abs(loss.item() - 1) < 0.03
+
+
+def test_bits_per_dim_of_the_oracle_by_hand():
+    """A model that knows x_0 predicts the posterior mean exactly, so every KL term is the KL
+    between N(m, beta-tilde_t) and N(m, sigma_t^2), whatever x_t is; the decoder's mean is x_0.
+    All terms are computed here from the paper's formulas with the math module."""
+    T = 6
+    betas = [1e-4 + (0.02 - 1e-4) * i / (T - 1) for i in range(T)]
+    abar = [math.prod(1 - b for b in betas[:i + 1]) for i in range(T)]
+    tilde = [betas[i] * (1 - (abar[i - 1] if i else 1.0)) / (1 - abar[i]) for i in range(T)]  # eq. 7
+    levels = torch.tensor([0, 1, 77, 128, 254, 255], dtype=torch.float64)
+    x0 = (levels / 127.5 - 1).view(1, 1, 2, 3).repeat(2, 1, 1, 1)
+    x0[1] = x0[1].flip(-1)  # a second image with the same levels elsewhere
+
+    class Oracle(torch.nn.Module):
+        def forward(self, xt, t):
+            a = torch.tensor([abar[s] for s in t.tolist()], dtype=xt.dtype).view(-1, 1, 1, 1)
+            return (xt - a.sqrt() * x0) / (1 - a).sqrt()
+    sched = make_schedule(T)
+    D = x0[0].numel()
+    bits = 1 / (D * math.log(2))
+    prior = sum(0.5 * (-1 - math.log(1 - abar[-1]) + (1 - abar[-1]) + abar[-1] * v ** 2)
+                for v in (levels / 127.5 - 1).tolist()) * bits  # KL(N(sqrt(abar_T) x0, 1 - abar_T) || N(0, 1))
+    for variance, sigma2 in [('fixedlarge', [tilde[1]] + betas[1:]), ('fixedsmall', [tilde[1]] + tilde[1:])]:
+        kl = [0.5 * (math.log(sigma2[t] / tilde[t]) + tilde[t] / sigma2[t] - 1) * D * bits for t in range(1, T)]
+        half_bin = (1 / 255) / math.sqrt(sigma2[0])
+        phi = lambda z: 0.5 * (1 + math.erf(z / math.sqrt(2)))
+        per_level = {0: -math.log(phi(half_bin)), 255: -math.log(phi(half_bin))}  # open edge bins
+        decoder = sum(per_level.get(int(v), -math.log(phi(half_bin) - phi(-half_bin))) for v in levels.tolist()) * bits
+        result = vlb_bits_per_dim(Oracle(), sched, x0, generator=torch.Generator().manual_seed(0), variance=variance)
+        for image in range(2):
+            assert result['prior'][image].item() == pytest.approx(prior, rel=1e-9)
+            assert result['decoder'][image].item() == pytest.approx(decoder, rel=1e-9)
+            assert result['terms'][image, 1:].tolist() == pytest.approx(kl, rel=1e-6, abs=1e-12)
+            assert result['total'][image].item() == pytest.approx(prior + decoder + sum(kl), rel=1e-9)
+    assert kl == [0.0] * (T - 1)  # fixedsmall: the oracle's p equals the posterior
 
 
 def _trained_like_model(seed=0):
@@ -178,8 +299,8 @@ def test_training_loss_is_the_noise_mse():
     assert training_loss(FixedEps(noise), sched, x0, t, noise) == 0
     zero = training_loss(FixedEps(torch.zeros_like(x0)), sched, x0, t, noise)
     assert torch.isclose(zero, noise.square().mean())
-    torch.manual_seed(0)
-    assert training_loss(FixedEps(torch.zeros_like(x0)), sched, x0).item() > 0.5  # draws t and noise
+    per_image = training_loss(FixedEps(torch.zeros_like(x0)), sched, x0, t, noise, per_example=True)
+    assert torch.allclose(per_image, torch.stack([n.square().mean() for n in noise]))
 
 
 def test_discretized_decoder_sums_to_one():

@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 import torch
 
+import data
+import diffusion
 import sample
 import train
 from helpers import train_args
@@ -30,19 +32,28 @@ def test_png_npz_and_grid_outputs(ckpt, tmp_path):
     assert [p.name for p in (tmp_path / 'grid').iterdir()] == ['grid.png']
 
 
-def test_ddpm_sampler_and_raw_weights(ckpt, tmp_path):
-    assert sample.cli(['--ckpt', ckpt, '--num', '2', '--sampler', 'ddpm', '--weights', 'model', '--device', 'cpu',
-                       '--out', str(tmp_path), '--format', 'npz']) == 0
-    images = np.load(tmp_path / 'samples_2x16.npz')['arr_0']
-    assert images.std() > 0
+def test_raw_weights_differ_from_the_ema(ckpt, tmp_path):
+    common = ['--ckpt', ckpt, '--num', '2', '--steps', '3', '--device', 'cpu', '--format', 'npz']
+    assert sample.cli(common + ['--weights', 'model', '--out', str(tmp_path / 'model')]) == 0
+    assert sample.cli(common + ['--out', str(tmp_path / 'ema')]) == 0
+    raw, ema = (np.load(tmp_path / name / 'samples_2x16.npz')['arr_0'] for name in ('model', 'ema'))
+    assert raw.std() > 0 and not np.array_equal(raw, ema)
 
 
-def test_bits_per_dim(ckpt, tmp_path):
-    cfg = sample.SampleConfig(ckpt=ckpt, bpd=True, bpd_data='shapes', bpd_num=2, batch_size=2, device='cpu',
-                              data_dir=str(tmp_path))
+def test_bits_per_dim(tmp_path):
+    # A pipeline folder with T=100 (its scheduler config): 100 model calls per image, not 1000.
+    save_diffusers_pipeline(tmp_path / 'pipe')
+    cfg = sample.SampleConfig(ckpt=str(tmp_path / 'pipe'), bpd=True, bpd_data='shapes', bpd_num=3, batch_size=2,
+                              device='cpu', data_dir=str(tmp_path))
     result = sample.main(cfg)['bpd']
-    assert result['images'] == 2 and 0 < result['bits_per_dim'] < 20 and np.isfinite(result['bits_per_dim'])
-    assert result['prior'] < 0.01  # x_T is almost pure noise: L_T is tiny
+    assert result['images'] == 3 and 0 < result['bits_per_dim'] < 20 and result['stderr'] > 0
+    model, _, sched = sample.load_model(str(tmp_path / 'pipe'), 'ema', torch.device('cpu'))
+    assert sched.num_steps == 100
+    images = data.make_shapes(10000, 16, seed=data.SHAPES_HELDOUT_SEED)[:3]  # the held-out shapes, as --bpd reads
+    generator = torch.Generator().manual_seed(0)
+    totals = torch.cat([diffusion.vlb_bits_per_dim(model, sched, batch.float() / 127.5 - 1, generator)['total']
+                        for batch in images.split(2)])
+    assert result['bits_per_dim'] == pytest.approx(totals.mean().item(), rel=1e-5)
 
 
 def stand_in_extractor(images: torch.Tensor) -> torch.Tensor:
@@ -96,3 +107,95 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / 'junk.pt').write_bytes(b'junk')
     assert sample.cli(['--ckpt', str(tmp_path / 'junk.pt')]) == 2
     assert 'not a train.py checkpoint' in capsys.readouterr().err
+
+
+def batch_seed(seed: int, index: int) -> int:
+    """The seed of batch `index` as sample.py documents it: SeedSequence((seed, index))."""
+    return int(np.random.SeedSequence([seed, index]).generate_state(1)[0])
+
+
+def test_samples_use_the_checkpoints_schedule(tmp_path):
+    assert train.cli(train_args(tmp_path, '--steps', '3', '--sample-every', '0', '--schedule', 'cosine')) == 0
+    path = tmp_path / 'run' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in ckpt['ema'].values():  # weights whose output matters (the untrained last layer is ~0)
+        tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
+    torch.save(ckpt, path)
+    assert sample.cli(['--ckpt', str(path), '--num', '3', '--batch-size', '3', '--steps', '4', '--eta', '0.5',
+                       '--device', 'cpu', '--format', 'npz', '--out', str(tmp_path / 'out')]) == 0
+    got = torch.from_numpy(np.load(tmp_path / 'out' / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
+    model = sample.UNet(sample.UNetConfig(**{k: tuple(v) if isinstance(v, list) else v
+                                             for k, v in ckpt['model_config'].items()}))
+    model.load_state_dict(ckpt['ema'])
+    expected = {kind: sample.to_uint8(diffusion.ddim_sample(model.eval(), diffusion.make_schedule(1000, kind),
+                                                            (3, 3, 16, 16), 4, 0.5,
+                                                            torch.Generator().manual_seed(batch_seed(0, 0))))
+                for kind in ('cosine', 'linear')}
+    assert torch.equal(got, expected['cosine']) and not torch.equal(got, expected['linear'])
+
+
+def save_diffusers_pipeline(path, num_train_timesteps=100, variance_type='fixed_large'):
+    diffusers = pytest.importorskip('diffusers')
+    import model as unet
+    config = unet.get_config('tiny', image_size=16, dropout=0.0)
+    theirs = diffusers.UNet2DModel(**unet.diffusers_config(config))
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    scheduler = diffusers.DDPMScheduler(num_train_timesteps=num_train_timesteps, variance_type=variance_type)
+    pipeline = diffusers.DDPMPipeline(unet=theirs.eval(), scheduler=scheduler)
+    pipeline.save_pretrained(path)
+    return pipeline
+
+
+def test_sample_from_a_diffusers_pipeline_folder_matches_the_pipeline(tmp_path):
+    # A pipeline with its own schedule (T=100): sample.py must read it, and then draw what
+    # diffusers' DDPMPipeline draws from the same generator.
+    pipeline = save_diffusers_pipeline(tmp_path / 'pipe')
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '2', '--batch-size', '2', '--sampler', 'ddpm',
+                       '--device', 'cpu', '--format', 'npz', '--out', str(tmp_path / 'out')]) == 0
+    ours = np.load(tmp_path / 'out' / 'samples_2x16.npz')['arr_0'].astype(int)
+    theirs = pipeline(batch_size=2, num_inference_steps=100, output_type='np',
+                      generator=torch.Generator().manual_seed(batch_seed(0, 0))).images
+    theirs = np.round(theirs * 255).astype(int)
+    assert ours.shape == theirs.shape == (2, 16, 16, 3)
+    assert np.abs(ours - theirs).max() <= 1 and (ours == theirs).mean() > 0.99  # float32 rounding at .5
+    assert ours.std() > 10
+
+
+def test_diffusers_folder_errors(tmp_path, capsys):
+    save_diffusers_pipeline(tmp_path / 'pipe')
+    config_path = tmp_path / 'pipe' / 'unet' / 'config.json'
+    import json
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, 'norm_eps': 1e-5}))
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'norm_eps' in capsys.readouterr().err
+    (tmp_path / 'empty').mkdir()
+    assert sample.cli(['--ckpt', str(tmp_path / 'empty'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'config.json' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize('extra, expected', [
+    (['--steps', '1001'], 'only T=1000 steps'),
+    (['--num', '0'], '--num must be at least 1'),
+    (['--eta=-1'], '--eta must be 0 or more'),
+    (['--inception-weights', '/nonexistent.pth', '--fid'], 'no such file'),
+    (['--sampler', 'euler'], 'invalid choice'),
+])
+def test_bad_flags_fail_before_sampling(ckpt, tmp_path, capsys, extra, expected):
+    try:
+        code = sample.cli(['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'out'), *extra])
+    except SystemExit as exit:
+        code = exit.code
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and expected in err and len(err.splitlines()) == 1
+
+
+def test_unwritable_out_fails_before_drawing(ckpt, tmp_path, capsys, monkeypatch):
+    drawn = []
+    monkeypatch.setattr(sample, 'draw', lambda *args, **kwargs: drawn.append(1) or iter(()))
+    (tmp_path / 'a-file').write_text('')
+    assert sample.cli(['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'a-file' / 'out')]) == 2
+    assert 'cannot write there' in capsys.readouterr().err and not drawn

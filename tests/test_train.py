@@ -1,3 +1,5 @@
+import copy
+import dataclasses
 import json
 import os
 import signal
@@ -5,10 +7,13 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 import torchvision
 
+import data
+import diffusion
 import train
 from helpers import train_args, write_cifar10, write_image_folder
 
@@ -26,6 +31,126 @@ def load_ckpt(tmp_path):
     return torch.load(tmp_path / 'run' / 'ckpt.pt', map_location='cpu', weights_only=True)
 
 
+# ----------------------------------------------------------------------------- the step, against closed forms
+
+def test_learning_rate_warmup_closed_form():
+    cfg = train.TrainConfig(lr=2e-4, warmup=5000)
+    # The k-th optimizer update (k = step + 1) uses lr * min(1, k / warmup).
+    assert train.lr_at(0, cfg) == pytest.approx(2e-4 / 5000)
+    assert train.lr_at(2499, cfg) == pytest.approx(1e-4)
+    assert train.lr_at(4999, cfg) == pytest.approx(2e-4)
+    assert train.lr_at(123_456, cfg) == pytest.approx(2e-4)
+    assert train.lr_at(7, train.TrainConfig(lr=3e-4, warmup=0)) == 3e-4
+
+
+def test_ema_decay_closed_form():
+    cfg = train.TrainConfig(ema_decay=0.9999)
+    assert train.ema_decay_at(0, cfg) == pytest.approx(0.1)
+    assert train.ema_decay_at(90, cfg) == pytest.approx(91 / 100)
+    assert train.ema_decay_at(10**6, cfg) == 0.9999  # the ramp passes 0.9999 at step 89,991
+    assert train.ema_decay_at(50, train.TrainConfig(ema_decay=0.5)) == 0.5
+
+
+def reference_step(model, ema, optimizer, x0, step, lr, clip, generator_state):
+    """A DDPM training step written out from the paper (Algorithm 1) with the schedule built
+    here: t and eps drawn as training_loss draws them, x_t by eq. 4, the MSE, the global norm
+    clipped, Adam at lr, then ema <- d ema + (1 - d) model with d = min(0.9999, (1+k)/(10+k))."""
+    abar = torch.from_numpy(np.cumprod(1 - np.linspace(1e-4, 0.02, 1000)))
+    torch.set_rng_state(generator_state)
+    t = torch.randint(0, 1000, (x0.shape[0],))
+    noise = torch.randn_like(x0)
+    a = abar[t].view(-1, 1, 1, 1)
+    loss = (model(a.sqrt() * x0 + (1 - a).sqrt() * noise, t) - noise).square().mean()
+    loss.backward()
+    norm = torch.sqrt(sum(p.grad.square().sum() for p in model.parameters()))
+    for p in model.parameters():
+        p.grad *= min(1.0, clip / (norm.item() + 1e-6))
+    for group in optimizer.param_groups:
+        group['lr'] = lr
+    optimizer.step()
+    optimizer.zero_grad()
+    decay = min(0.9999, (1 + step) / (10 + step))
+    with torch.no_grad():
+        for e, p in zip(ema.parameters(), model.parameters()):
+            e.copy_(decay * e + (1 - decay) * p)
+    return loss.item(), norm.item()
+
+
+def test_train_step_is_the_papers_step():
+    cpu = torch.device('cpu')
+    cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', image_size=16, batch_size=4,
+                                                   lr=1e-3, warmup=10, grad_clip=0.5, dropout=0.0, device='cpu'), cpu)
+    run = train.build_run(cfg, cpu, dataset=data.ImageTensorDataset(data.make_shapes(16, 16)), progress=False)
+    run.model.double(), run.ema.double()  # float64: Adam's first steps are sign(grad) x lr, so in float32
+    # rounding decides the sign of the near-zero gradients
+    with torch.no_grad():  # trained-like weights, and an EMA that differs from them
+        for p, e in zip(run.model.parameters(), run.ema.parameters()):
+            p.add_(0.05 * torch.randn_like(p))
+            e.copy_(p + 0.05 * torch.randn_like(p))
+    model, ema = copy.deepcopy(run.model), copy.deepcopy(run.ema)
+    optimizer = torch.optim.Adam(model.parameters())
+    x0 = data.to_model_input(data.make_shapes(4, 16), torch.zeros(4, dtype=torch.bool)).double()
+    clipped = 0
+    for step in range(4):
+        state = torch.get_rng_state()
+        loss = train.train_step(run, x0, step)
+        ref_loss, norm = reference_step(model, ema, optimizer, x0, step, 1e-3 * min(1, (step + 1) / 10), 0.5, state)
+        clipped += norm > 0.5
+        assert loss.item() == pytest.approx(ref_loss, rel=1e-6)
+        for ours, theirs in [(run.model, model), (run.ema, ema)]:
+            for name, p in ours.named_parameters():
+                q = dict(theirs.named_parameters())[name]
+                if name.endswith('qkv.bias'):  # the key bias has a zero gradient (softmax ignores it),
+                    p, q = p[torch.arange(len(p)) // (len(p) // 3) != 1], q[torch.arange(len(q)) // (len(q) // 3) != 1]
+                    # so Adam turns rounding noise into lr-sized steps: left out
+                assert (p - q).abs().max() <= 1e-7, (step, name)  # a step moves weights by ~lr = 1e-4
+        assert run.optimizer.param_groups[0]['lr'] == pytest.approx(1e-3 * (step + 1) / 10)
+    assert clipped >= 2  # the clipping was exercised
+
+
+def tiny_run(**overrides):
+    cpu = torch.device('cpu')
+    cfg = train.resolve_defaults(train.TrainConfig(**{**dict(preset='tiny', dataset='shapes', shapes_count=64,
+                                                             image_size=16, batch_size=8, device='cpu'), **overrides}),
+                                 cpu)
+    run = train.build_run(cfg, cpu, progress=False)
+    with torch.no_grad():  # trained-like weights: the untrained last layer makes every output ~0
+        for p in run.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return run
+
+
+def test_heldout_loss_is_deterministic_and_without_dropout():
+    run = tiny_run(dropout=0.5, heldout_size=16)
+    heldout = train.make_heldout(run.cfg, run.device, 1000)
+    assert run.model.training
+    a = train.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    b = train.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    assert torch.equal(a, b) and run.model.training  # eval mode inside, training mode after
+    images, t, noise = heldout
+    assert sorted(t.tolist()) == [i * 1000 // 16 for i in range(16)]  # timesteps spread over 0..T-1
+    with torch.no_grad():
+        x0 = images.float() / 127.5 - 1
+        expected = diffusion.training_loss(run.model.eval(), run.sched, x0, t, noise, per_example=True)
+    assert torch.allclose(a, expected)
+
+
+def test_sample_grid_holds_the_samplers_images(tmp_path):
+    run = tiny_run(num_samples=4, sample_steps=3, seed=7)
+    train.write_sample_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
+    grid = torchvision.io.read_image(str(tmp_path / 'grid.png'))
+    assert grid.shape == (3, 2 * 16 + 3 * 2, 2 * 16 + 3 * 2)  # 2 x 2 images, 2-pixel padding
+    with torch.no_grad():
+        x = diffusion.ddim_sample(run.model, run.sched, (4, 3, 16, 16), 3, generator=torch.Generator().manual_seed(7))
+    expected = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    for i in range(4):
+        row, col = divmod(i, 2)
+        tile = grid[:, 2 + row * 18:2 + row * 18 + 16, 2 + col * 18:2 + col * 18 + 16]
+        assert (tile.int() - expected[i].int()).abs().max() <= 1, i
+
+
+# ----------------------------------------------------------------------------- whole runs
+
 def test_train_on_shapes_writes_everything(tmp_path):
     assert run(tmp_path, '--epochs', '2') == 0  # 12 steps per epoch
     ckpt = load_ckpt(tmp_path)
@@ -40,6 +165,7 @@ def test_train_on_shapes_writes_everything(tmp_path):
     assert [row['step'] for row in rows] == [5, 10, 15, 20, 24]
     for row in rows:
         assert {'loss', 'lr', 'img_per_s', 'heldout_loss', 'heldout_loss_ema'} <= set(row)
+        assert row['lr'] == pytest.approx(2e-3 * min(1, row['step'] / 50))  # tiny: the last update's lr
     assert sorted(os.listdir(tmp_path / 'samples')) == ['epoch_0001.png', 'epoch_0002.png']
     grid = torchvision.io.read_image(str(tmp_path / 'samples' / 'epoch_0002.png'))
     assert grid.shape[0] == 3 and grid.shape[1] > 16 and grid.float().std() > 1  # not blank
@@ -96,6 +222,7 @@ def test_resume_without_dropout_rng_restore_would_differ(tmp_path):
 def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
     train.save_checkpoint({'step': 1, 'w': torch.ones(3)}, path)
+    assert os.listdir(tmp_path) == ['ckpt.pt']  # no temporary file left behind
 
     def crash_mid_write(obj, f, *args, **kwargs):
         f.write(b'partial garbage')
@@ -139,6 +266,16 @@ def _stderr_line(capsys):
     pytest.param(['--device', 'cuda'], 'use --device cpu',
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is available here')),
     (['--batch-size', 'many'], 'invalid'),
+    (['--lr=-1e-4'], '--lr must be a positive number'),
+    (['--lr', 'nan'], '--lr must be a positive number'),
+    (['--dropout', '2'], '--dropout must be in [0, 1)'),
+    (['--ema-decay', '1.5'], '--ema-decay must be in [0, 1)'),
+    (['--grad-clip', '-1'], '--grad-clip must be 0'),
+    (['--warmup', '-5'], '--warmup must be 0 or more'),
+    (['--loader', 'torch', '--num-workers', '-1'], '--num-workers must be 0 or more'),
+    (['--sample-steps', '2000'], '--sample-steps must be in [1, 1000]'),
+    (['--ckpt-every', '-1'], '--ckpt-every must be 0'),
+    (['--device', 'tpu'], 'unknown device'),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, expected):
     try:
@@ -147,6 +284,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, expected):
         code = exit.code
     assert code == 2
     assert expected in _stderr_line(capsys)
+
+
+def test_unwritable_output_folders_fail_before_training(tmp_path, capsys):
+    (tmp_path / 'a-file').write_text('not a folder')
+    for flag in ('--out-dir', '--samples-dir'):
+        assert run(tmp_path, '--steps', '2', flag, str(tmp_path / 'a-file' / 'sub')) == 2
+        line = _stderr_line(capsys)
+        assert flag in line and 'cannot write there' in line
+    assert not (tmp_path / 'run' / 'metrics.jsonl').exists()  # nothing was started
 
 
 def test_bad_image_files_are_named(tmp_path, capsys):
@@ -172,6 +318,9 @@ def test_resume_from_another_architecture(tmp_path, capsys):
     assert 'another architecture' in _stderr_line(capsys)
     assert run(tmp_path / 'other', '--steps', '4', '--resume', ckpt, '--batch-size', '4') == 2
     assert '--batch-size' in _stderr_line(capsys)
+    cfg = train.resolve_defaults(train.parse_config(train_args(tmp_path, '--steps', '4')), torch.device('cpu'))
+    with pytest.raises(train.ConfigError, match='written by 1 ranks, this run has 2'):
+        train.load_checkpoint(ckpt, cfg, train.model_config_of(cfg), world_size=2)
 
 
 def test_real_cli_exit_code_and_stderr(tmp_path, root):
@@ -183,19 +332,27 @@ def test_real_cli_exit_code_and_stderr(tmp_path, root):
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
-    args = train_args(tmp_path, '--steps', '100000', '--log-every', '1', '--sample-every', '0', '--ckpt-every', '0')
+    # Large held-out set and grids: if the stop evaluated or sampled first, it would take long.
+    args = train_args(tmp_path, '--steps', '100000', '--log-every', '2', '--ckpt-every', '0',
+                      '--heldout-size', '1000', '--num-samples', '64', '--sample-steps', '200', '--sample-every', '1')
     process = subprocess.Popen([sys.executable, 'train.py', *args], cwd=root, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     metrics_file = tmp_path / 'run' / 'metrics.jsonl'
-    deadline = time.time() + 120
-    while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text().count('"step"') >= 3):
-        time.sleep(0.2)
+    deadline = time.time() + 180
+    while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text().count('"step"') >= 1):
+        time.sleep(0.1)
+    time.sleep(0.5)  # most likely inside the next held-out evaluation (1000 images, twice), which is cut short
     process.send_signal(signal.SIGTERM)
+    signalled = time.time()
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0, err
+    assert time.time() - signalled < 15  # one step, one checkpoint; no evaluation, no grid
     assert 'stopped by SIGTERM' in out + err
     step = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)['step']
-    assert 3 <= step < 100000
+    assert 2 <= step < 100000
+    last = metrics(tmp_path)[-1]
+    assert last['step'] == step and 'heldout_loss' not in last  # the stop's row: loss only
+    assert not list((tmp_path / 'samples').glob('step_*.png'))
     # ... and the run resumes from there.
     assert run(tmp_path, '--steps', str(step + 2), '--resume', str(tmp_path / 'run' / 'ckpt.pt'),
                '--sample-every', '0') == 0
@@ -223,3 +380,164 @@ def test_ffcv_without_ffcv_says_how_to_install(tmp_path, capsys, monkeypatch):
     assert run(tmp_path, '--loader', 'ffcv', '--data-dir', str(tmp_path / 'x.beton'), '--steps', '2') == 2
     line = _stderr_line(capsys)
     assert 'apt-get install' in line and 'requirements-ffcv.txt' in line
+
+
+
+# ----------------------------------------------------------------------------- never lose work, never hang
+
+def test_truncated_jpeg_is_found_before_training(tmp_path, capsys):
+    write_image_folder(tmp_path / 'images', count=10)
+    from PIL import Image
+    big = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    big.save(tmp_path / 'images' / 'cut.jpg', quality=95)
+    whole = (tmp_path / 'images' / 'cut.jpg').read_bytes()
+    (tmp_path / 'images' / 'cut.jpg').write_bytes(whole[:len(whole) // 2])  # the header is intact
+    with Image.open(tmp_path / 'images' / 'cut.jpg') as image:
+        image.verify()  # ... which a header check accepts
+    assert run(tmp_path, '--dataset', 'folder', '--data-dir', str(tmp_path / 'images'), '--steps', '1',
+               '--batch-size', '4') == 2
+    assert 'cut.jpg' in _stderr_line(capsys)
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+
+
+def test_finished_run_resumed_exits_at_once_and_leaves_the_checkpoint(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0') == 0
+    ckpt = tmp_path / 'run' / 'ckpt.pt'
+    before, rows_before = ckpt.read_bytes(), (tmp_path / 'run' / 'metrics.jsonl').read_text()
+    capsys.readouterr()
+    start = time.perf_counter()
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--resume', str(ckpt)) == 0
+    assert 'at the target --steps 4' in capsys.readouterr().out
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0', '--resume', 'auto') == 0
+    out = capsys.readouterr().out
+    assert 'holds step 4' in out and 'past the target --steps 2' in out
+    assert time.perf_counter() - start < 10  # no data loading, no model building
+    assert ckpt.read_bytes() == before and (tmp_path / 'run' / 'metrics.jsonl').read_text() == rows_before
+    # Counted in epochs too: 12 steps per epoch, so 24 steps are two whole epochs.
+    assert run(tmp_path / 'e', '--epochs', '2', '--sample-every', '0') == 0
+    capsys.readouterr()
+    assert run(tmp_path / 'e', '--epochs', '2', '--sample-every', '0', '--resume', 'auto') == 0
+    assert 'at the target --epochs 2' in capsys.readouterr().out
+
+
+def test_fresh_run_never_overwrites_a_checkpoint(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    before = (tmp_path / 'run' / 'ckpt.pt').read_bytes()
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '3', '--sample-every', '0') == 2
+    line = _stderr_line(capsys)
+    assert 'ckpt.pt exists' in line and '--resume' in line
+    assert (tmp_path / 'run' / 'ckpt.pt').read_bytes() == before
+
+
+def test_resume_auto_starts_fresh_then_continues_exactly(tmp_path):
+    assert run(tmp_path / 'whole', '--steps', '8', '--sample-every', '0') == 0
+    assert run(tmp_path / 'auto', '--steps', '5', '--sample-every', '0', '--resume', 'auto') == 0  # fresh
+    assert load_ckpt(tmp_path / 'auto')['step'] == 5
+    assert run(tmp_path / 'auto', '--steps', '8', '--sample-every', '0', '--resume', 'auto') == 0  # resumed
+    whole, auto = load_ckpt(tmp_path / 'whole'), load_ckpt(tmp_path / 'auto')
+    assert auto['step'] == 8
+    assert all(torch.equal(t, auto['model'][k]) for k, t in whole['model'].items())
+    # Resumed twice in a row at the target: still the same checkpoint.
+    assert run(tmp_path / 'auto', '--steps', '8', '--sample-every', '0', '--resume', 'auto') == 0
+    assert torch.equal(load_ckpt(tmp_path / 'auto')['model']['conv_out.weight'], whole['model']['conv_out.weight'])
+
+
+def test_stale_temporary_checkpoint_is_removed(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    (tmp_path / 'run' / 'ckpt.pt.tmp').write_bytes(b'half a checkpoint')
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '3', '--sample-every', '0', '--resume', 'auto') == 0
+    assert 'removed' in capsys.readouterr().out
+    assert not (tmp_path / 'run' / 'ckpt.pt.tmp').exists() and load_ckpt(tmp_path)['step'] == 3
+
+
+def test_resume_on_another_folder_is_refused(tmp_path, capsys):
+    write_image_folder(tmp_path / 'a', count=12, seed=0)
+    write_image_folder(tmp_path / 'b', count=12, seed=1)
+    common = ['--dataset', 'folder', '--batch-size', '4', '--loader', 'gpu', '--sample-every', '0']
+    assert run(tmp_path, *common, '--data-dir', str(tmp_path / 'a'), '--steps', '2') == 0
+    capsys.readouterr()
+    ckpt = str(tmp_path / 'run' / 'ckpt.pt')
+    assert run(tmp_path, *common, '--data-dir', str(tmp_path / 'b'), '--steps', '4', '--resume', ckpt) == 2
+    assert 'another data set' in _stderr_line(capsys)
+    assert run(tmp_path, *common, '--data-dir', str(tmp_path / 'a'), '--steps', '4', '--resume', ckpt) == 0
+
+
+def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, 'No space left on device')
+    monkeypatch.setattr(train, 'write_sample_grid', disk_full)
+    assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
+    out = capsys.readouterr().out
+    assert out.count('could not write the sample grid') == 2 and 'samples in' not in out
+    assert load_ckpt(tmp_path)['step'] == 24
+
+
+def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, monkeypatch):
+    # Grids and checkpoints that take 1000 s of a fake clock: had they been counted, the logged
+    # img/s would imply over 1000 s per interval.
+    offset, real_clock = [0.0], time.perf_counter
+    monkeypatch.setattr(time, 'perf_counter', lambda: real_clock() + offset[0])
+
+    def slow(real):
+        def wrapper(*args, **kwargs):
+            offset[0] += 1000.0
+            return real(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(train, 'write_sample_grid', slow(train.write_sample_grid))
+    monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
+    # 12 steps per epoch: a row, a checkpoint and a grid at every epoch's end.
+    assert run(tmp_path, '--epochs', '3', '--log-every', '12', '--ckpt-every', '12') == 0
+    rows = [row for row in metrics(tmp_path) if 'step' in row]
+    assert [row['step'] for row in rows] == [12, 24, 36]
+    assert 0 < rows[0]['first_step_s'] < 1000 and 'first_step_s' not in rows[1]
+    implied = [(11 if i == 0 else 12) * 8 / row['img_per_s'] for i, row in enumerate(rows)]  # first step apart
+    assert max(implied) < 100
+    assert rows[-1]['train_hours'] * 3600 == pytest.approx(sum(implied), rel=1e-6)
+
+
+def test_mfu_is_per_gpu(monkeypatch):
+    cpu = torch.device('cpu')
+    cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
+                                                   batch_size=8, device='cpu', out_dir='unused'), cpu)
+    run = train.build_run(cfg, cpu, progress=False)
+    logger = train.Logger(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
+    logger.peak = 1.0  # TFLOP/s
+    logger.untimed_steps, logger.interval_start = 0, time.perf_counter() - 2.0
+    logger.interval(10, 10, 0.5)
+    row = logger.last
+    assert row['img_per_s'] == pytest.approx(10 * 8 / 2.0, rel=0.01)  # the whole job's throughput
+    assert row['img_per_s_per_gpu'] == pytest.approx(row['img_per_s'] / 2)
+    assert row['mfu'] == pytest.approx(row['img_per_s'] / 2 * logger.flops['train'] / 1e12)
+
+
+def test_no_import_cycles():
+    import ast
+    project = {'model', 'diffusion', 'data', 'train', 'sample', 'benchmark'}
+    imports = {}
+    for name in project:
+        tree = ast.parse(open(os.path.join(os.path.dirname(train.__file__), f'{name}.py')).read())
+        found = {alias.name.split('.')[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names} | {node.module.split('.')[0] for node in ast.walk(tree)
+                                             if isinstance(node, ast.ImportFrom) and node.module}
+        imports[name] = found & project
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in imports[start])
+    assert not [name for name in project if reaches(name, name)]
+    assert imports['data'] == set() and imports['model'] == set() and imports['diffusion'] == set()
+
+
+def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
+    import sample
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    path = tmp_path / 'run' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    del ckpt['model_version']  # as written before the network was made the paper's
+    torch.save(ckpt, path)
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '4', '--resume', str(path)) == 2
+    assert 'UNet version 1' in _stderr_line(capsys)
+    assert sample.cli(['--ckpt', str(path), '--num', '1', '--device', 'cpu', '--out', str(tmp_path / 's')]) == 2
+    assert 'retrain' in _stderr_line(capsys)
