@@ -709,14 +709,16 @@ def write_quality(result: dict, bench: BenchConfig, device: torch.device):
 def start_row(bench: BenchConfig, device: torch.device) -> Row:
     """The row the other modes start from: --from-row, or the last runnable row in the default
     compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
-    runnable = [r for r in ladder(bench, device) if not skip_reason(r, device)]
+    rows = ladder(bench, device)
     if bench.from_row:
+        runnable = [r for r in rows if not skip_reason(r, device)]
         named = [r for r in runnable if bench.from_row.lower() in r.name.lower()]
         if not named:
             raise train.ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
                                     f"{'; '.join(r.name for r in runnable)}")
         return named[0]
-    return [r for r in runnable if r.compile_mode == 'default'][-1]
+    # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
+    return next(r for r in reversed(rows) if r.compile_mode == 'default' and not skip_reason(r, device))
 
 
 # Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since

@@ -7,6 +7,9 @@ work per step; `torch` is a DataLoader with workers and pinned memory; `ffcv` re
 .beton file (optional). The order of each epoch (a permutation and a flip per image) is a
 function of (seed, epoch) alone, the same for every loader, so that a resumed run sees
 exactly the batches an uninterrupted one would have.
+
+It also holds what every script's command line shares (config flags, one-line errors, the
+device, writable outputs), since it is the module that all the scripts import.
 """
 import argparse
 import os
@@ -384,13 +387,15 @@ class _HWCImages:
 
 
 def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: int = 90, num_workers: int = 4):
-    """Writes every image of a data set to an FFCV .beton file (raw RGB, or JPEG)."""
+    """Writes every image of a data set to an FFCV .beton file (raw RGB, or JPEG), through a
+    temporary file: a killed write leaves no truncated .beton behind."""
     _require_ffcv()
     from ffcv.fields import RGBImageField
     from ffcv.writer import DatasetWriter
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     field = RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)
-    DatasetWriter(path, {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
+    DatasetWriter(path + '.tmp', {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
+    os.replace(path + '.tmp', path)
 
 
 def _ffcv_pipeline(device):
@@ -486,6 +491,42 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
 # The scripts' shared command-line helpers live here, at the bottom of the import graph
 # (train, sample and benchmark all import data; data imports none of them).
 
+class ConfigError(Exception):
+    """A bad flag or file; every script reports it as one line, exit code 2."""
+
+
+def pick_device(name: str, local_rank: int) -> torch.device:
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda'):
+        raise ConfigError(f'--device {name}: unknown device; use cpu, cuda or cuda:N')
+    if device.type == 'cuda':
+        if not torch.cuda.is_available():
+            raise ConfigError(f'--device {name}: CUDA is not available here; use --device cpu')
+        if device.index is None:
+            device = torch.device('cuda', local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f'--device {name}: this machine has {torch.cuda.device_count()} GPU(s)')
+    return device
+
+
+def check_writable(folder: str, flag_name: str):
+    """Creates the folder and writes a file in it, so that a bad path fails now, not after
+    hours of training."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f'.write-test-{os.getpid()}')
+        with open(probe, 'w') as f:
+            f.write('ok')
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(f'{flag_name} {folder}: cannot write there ({error.strerror or error})') from None
+
+
 def flag(default, help, **extra):
     """A config field with its --help text (and choices): build_parser turns it into a flag."""
     return field(default=default, metadata={'help': help, **extra})
@@ -553,11 +594,15 @@ def main(argv=None) -> int:
     try:
         if not cfg.write_beton:
             raise DataError('nothing to do: pass --write-beton OUT.beton')
+        check_writable(os.path.dirname(os.path.abspath(cfg.write_beton)), '--write-beton')
         dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
         write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)
-    except DataError as error:
+    except (DataError, ConfigError) as error:
         print(f'error: {one_line(error)}', file=sys.stderr)
         return 2
+    except OSError as error:  # a full disk while writing
+        print(f'error: {brief(error, 300)}', file=sys.stderr)
+        return 1
     print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}) '
           f'to {cfg.write_beton}')
     return 0

@@ -213,29 +213,67 @@ def discretized_gaussian_log_likelihood(x0: torch.Tensor, mean: torch.Tensor, lo
     return torch.where(x0 < -0.999, log_cdf_upper, torch.where(x0 > 0.999, log_sf_lower, log_bin))
 
 
+def vlb_term(model, sched: Schedule, x0: torch.Tensor, t: torch.Tensor, generator: torch.Generator = None,
+             variance: str = 'fixedlarge', clip_denoised: bool = True) -> torch.Tensor:
+    """One term of the bound per image, in nats, at per-image timesteps t (eq. 5): the decoder's
+    NLL -log p(x_0 | x_1) (eq. 13) where t = 0, KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t))
+    elsewhere, with x_t drawn from q(x_t | x_0). One model call. Returns (B,)."""
+    xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device, x0.dtype))
+    mean, log_var, _ = p_mean_variance(model, sched, xt, t, variance, clip_denoised)
+    true_mean, _, true_log_var = q_posterior(sched, x0, xt, t)
+    decoder = -discretized_gaussian_log_likelihood(x0, mean, log_var)
+    kl = normal_kl(true_mean, true_log_var, mean, log_var)
+    at_zero = (t == 0).view(-1, *([1] * (x0.dim() - 1)))
+    return torch.where(at_zero, decoder, kl).flatten(1).sum(1)
+
+
+def prior_bits(sched: Schedule, x0: torch.Tensor) -> torch.Tensor:
+    """L_T = KL(q(x_T | x_0) || N(0, I)) per image, in bits per dimension (no model call)."""
+    t_last = torch.full((x0.shape[0],), sched.num_steps - 1, device=x0.device, dtype=torch.long)
+    mean = _gather(sched.sqrt_alphas_cumprod, t_last, x0) * x0
+    log_var = torch.log(_gather(1.0 - sched.alphas_cumprod, t_last, x0)).expand_as(x0)
+    return normal_kl(mean, log_var, torch.zeros_like(x0), torch.zeros_like(x0)).flatten(1).sum(1) / _dims_ln2(x0)
+
+
+def _dims_ln2(x0: torch.Tensor) -> float:
+    return math.log(2.0) * x0[0].numel()  # nats per image -> bits per dimension
+
+
 @torch.no_grad()
 def vlb_bits_per_dim(model, sched: Schedule, x0: torch.Tensor, generator: torch.Generator = None,
                      variance: str = 'fixedlarge', clip_denoised: bool = True, progress: bool = False) -> dict:
     """The variational bound L = L_T + sum_{t>1} L_{t-1} + L_0 (eq. 5) in bits per dimension,
-    per image: the prior term KL(q(x_T | x_0) || N(0, I)), one KL between the posterior and
-    p(x_{t-1} | x_t) per t, and the discretized Gaussian decoder's NLL at t=0 (eq. 13).
-    One model call per timestep. x0 must be data in [-1, 1] on 256 levels.
+    per image: the prior term, one KL per t and the decoder's NLL at t=0 (vlb_term). One model
+    call per timestep. x0 must be data in [-1, 1] on 256 levels.
     Returns {'total', 'prior', 'decoder', 'terms'}: (B,), (B,), (B,), (B, T)."""
     B, T = x0.shape[0], sched.num_steps
-    to_bits = 1.0 / (math.log(2.0) * x0[0].numel())
     terms = torch.zeros(B, T, device=x0.device, dtype=x0.dtype)
     for step in tqdm(range(T - 1, -1, -1), disable=not progress, desc='bits/dim'):
         t = torch.full((B,), step, device=x0.device, dtype=torch.long)
-        xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device, x0.dtype))
-        mean, log_var, _ = p_mean_variance(model, sched, xt, t, variance, clip_denoised)
-        if step == 0:
-            nats = -discretized_gaussian_log_likelihood(x0, mean, log_var)
-        else:
-            true_mean, _, true_log_var = q_posterior(sched, x0, xt, t)
-            nats = normal_kl(true_mean, true_log_var, mean, log_var)
-        terms[:, step] = nats.flatten(1).sum(1) * to_bits
-    t_last = torch.full((B,), T - 1, device=x0.device, dtype=torch.long)
-    prior_mean = _gather(sched.sqrt_alphas_cumprod, t_last, x0) * x0
-    prior_log_var = torch.log(_gather(1.0 - sched.alphas_cumprod, t_last, x0)).expand_as(x0)
-    prior = normal_kl(prior_mean, prior_log_var, torch.zeros_like(x0), torch.zeros_like(x0)).flatten(1).sum(1) * to_bits
+        terms[:, step] = vlb_term(model, sched, x0, t, generator, variance, clip_denoised) / _dims_ln2(x0)
+    prior = prior_bits(sched, x0)
     return {'total': prior + terms.sum(1), 'prior': prior, 'decoder': terms[:, 0], 'terms': terms}
+
+
+@torch.no_grad()
+def vlb_bits_per_dim_mc(model, sched: Schedule, x0: torch.Tensor, num_timesteps: int,
+                        generator: torch.Generator = None, variance: str = 'fixedlarge',
+                        clip_denoised: bool = True) -> dict:
+    """An unbiased Monte Carlo estimate of vlb_bits_per_dim at 1 + num_timesteps model calls
+    instead of T: the prior and the decoder term exactly, the sum of the T-1 KL terms from
+    stratified timesteps (t = 1..T-1 cut into num_timesteps strata of sizes n_j, one t_j drawn
+    uniformly in each, per image: sum_j n_j KL(t_j), whose expectation is the full sum).
+    Returns {'total', 'prior', 'decoder', 'kl'} per image, in bits per dimension."""
+    B, T = x0.shape[0], sched.num_steps
+    if not 1 <= num_timesteps <= T - 1:
+        raise ValueError(f'num_timesteps must be in [1, {T - 1}], got {num_timesteps}')
+    zero = torch.zeros(B, device=x0.device, dtype=torch.long)
+    decoder = vlb_term(model, sched, x0, zero, generator, variance, clip_denoised) / _dims_ln2(x0)
+    bounds = [1 + j * (T - 1) // num_timesteps for j in range(num_timesteps + 1)]
+    kl = torch.zeros(B, device=x0.device, dtype=x0.dtype)
+    for low, high in zip(bounds, bounds[1:]):
+        u = torch.rand(B, generator=generator, device=x0.device, dtype=torch.float64)
+        t = low + (u * (high - low)).long().clamp(max=high - low - 1)  # uniform on [low, high)
+        kl += (high - low) * vlb_term(model, sched, x0, t, generator, variance, clip_denoised) / _dims_ln2(x0)
+    prior = prior_bits(sched, x0)
+    return {'total': prior + decoder + kl, 'prior': prior, 'decoder': decoder, 'kl': kl}

@@ -370,6 +370,8 @@ class DiffusersConfigError(ValueError):
 def config_from_diffusers(theirs: dict, attention: str = 'sdpa') -> UNetConfig:
     """Our UNetConfig for a UNet2DModel config.json, or DiffusersConfigError naming the field
     that our network cannot represent."""
+    if not isinstance(theirs, dict):
+        raise DiffusersConfigError(f'config.json holds a {type(theirs).__name__}, not a JSON object')
     if theirs.get('_class_name', 'UNet2DModel') != 'UNet2DModel':
         raise DiffusersConfigError(f"_class_name is {theirs['_class_name']!r}: only UNet2DModel is supported")
     get = lambda key: theirs.get(key, _DIFFUSERS_DEFAULTS.get(key))

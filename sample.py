@@ -24,9 +24,8 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from model import DiffusersConfigError, UNet, UNetConfig, count_flops, diffusers_folder, load_diffusers
-from data import brief, flag, one_line, parse_config
-from train import ConfigError, check_model_version, check_writable, pick_device
+from model import MODEL_VERSION, DiffusersConfigError, UNet, UNetConfig, count_flops, diffusers_folder, load_diffusers
+from data import ConfigError, brief, check_writable, flag, one_line, parse_config, pick_device
 
 
 @dataclass
@@ -53,13 +52,27 @@ class SampleConfig:
     fid_data: str = flag('cifar10', 'reference set for FID: cifar10 (train split), shapes, folder or beton '
                                     '(--data-dir DIR or FILE.beton)', choices=('cifar10', 'shapes', 'folder', 'beton'))
     data_dir: str = flag('./data', 'where the FID / bits/dim data set lives')
-    fid_stats: str = flag('', 'cache of the reference statistics (.npz; default: DATA_DIR/fid_stats_<set>.npz)')
+    fid_stats: str = flag('', 'cache of the reference statistics (.npz; default: DATA_DIR/fid_stats_<set>_<size>.npz)')
     inception_weights: str = flag('', 'local InceptionV3 weights for FID (torch-fidelity\'s '
                                       'weights-inception-2015-12-05-6726825d.pth); default: download')
     bpd: bool = flag(False, 'compute the variational bound in bits/dim (T model calls per image)')
     bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes, folder or beton',
                          choices=('cifar10', 'shapes', 'folder', 'beton'))
     bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)')
+    bpd_timesteps: int = flag(0, 'bits/dim: 0 for the full bound (T model calls per image), K for its unbiased '
+                                 'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
+
+
+def check_model_version(ckpt: dict, what: str):
+    """Checkpoints of the network before it was made the paper's (version 1: no SiLU before
+    the timestep projections, symmetric downsampling padding, GroupNorm eps 1e-5) have the
+    same tensors but compute another function: refuse them."""
+    if not isinstance(ckpt, dict) or not {'model', 'ema', 'config', 'model_config'} <= set(ckpt):
+        raise ConfigError(f'{what}: not a train.py checkpoint (it lacks the model, EMA or config)')
+    version = ckpt.get('model_version', 1)
+    if version != MODEL_VERSION:
+        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
+                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
 
 
 def load_model(path: str, weights: str, device) -> tuple:
@@ -77,8 +90,13 @@ def load_model(path: str, weights: str, device) -> tuple:
     except Exception as error:
         raise ConfigError(f'--ckpt {path}: not a train.py checkpoint ({brief(error)})') from None
     check_model_version(ckpt, f'--ckpt {path}')
+    if ckpt.get(weights) is None:
+        raise ConfigError(f'--ckpt {path} holds no {weights} weights')
     model = UNet(model_config)
-    model.load_state_dict(ckpt[weights])
+    try:
+        model.load_state_dict(ckpt[weights])
+    except (RuntimeError, TypeError) as error:
+        raise ConfigError(f'--ckpt {path}: its {weights} weights do not fit its model_config ({brief(error, 300)})') from None
     return model.to(device).eval().requires_grad_(False), model_config, diffusion.make_schedule(1000, schedule)
 
 
@@ -87,8 +105,9 @@ def load_diffusers_folder(path: str) -> tuple:
     is the pipeline's scheduler/scheduler_config.json where there is one, else the paper's."""
     try:
         model = load_diffusers(path)
-    except (DiffusersConfigError, FileNotFoundError, KeyError, OSError, ValueError) as error:
-        raise ConfigError(f'--ckpt {path}: cannot load it as the paper\'s UNet ({error})') from None
+    except (DiffusersConfigError, OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
+        # RuntimeError: load_state_dict's tensor mismatches, whose text runs to pages
+        raise ConfigError(f'--ckpt {path}: cannot load it as the paper\'s UNet ({brief(error, 300)})') from None
     return model, diffusers_schedule(path, diffusers_folder(path))
 
 
@@ -98,8 +117,13 @@ def diffusers_schedule(path: str, unet_folder: str) -> diffusion.Schedule:
     config_path = next((p for p in candidates if os.path.isfile(p)), None)
     if config_path is None:
         return diffusion.make_schedule(1000, 'linear')
-    with open(config_path) as f:
-        theirs = json.load(f)
+    try:
+        with open(config_path) as f:
+            theirs = json.load(f)
+        if not isinstance(theirs, dict):
+            raise ValueError(f'it holds a {type(theirs).__name__}, not a JSON object')
+    except (OSError, ValueError) as error:
+        raise ConfigError(f'{config_path}: not a scheduler configuration ({brief(error)})') from None
     kind = {'linear': 'linear', 'squaredcos_cap_v2': 'cosine'}.get(theirs.get('beta_schedule', 'linear'))
     steps = theirs.get('num_train_timesteps', 1000)
     paper_betas = (math.isclose(theirs.get('beta_start', 1e-4), 1e-4) and math.isclose(theirs.get('beta_end', 0.02), 0.02))
@@ -114,15 +138,18 @@ def autocast_for(amp: str, device: torch.device):
 
 
 def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
-         progress=True) -> typing.Iterator[torch.Tensor]:
+         progress=True, rank: int = 0, world_size: int = 1) -> typing.Iterator[torch.Tensor]:
     """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
-    the device."""
+    the device. With world_size > 1 this rank draws batches rank, rank + world_size, ...: the
+    ranks together draw exactly the images one process would."""
     sched = sched.to(device)
     size = config.image_size
-    bar = tqdm(total=cfg.num, desc=f'{cfg.sampler} sampling', unit='img', disable=not progress)
-    for index, start in enumerate(range(0, cfg.num, cfg.batch_size)):
+    starts = list(range(0, cfg.num, cfg.batch_size))[rank::world_size]
+    bar = tqdm(total=sum(min(cfg.batch_size, cfg.num - s) for s in starts), desc=f'{cfg.sampler} sampling',
+               unit='img', disable=not progress, leave=False)
+    for start in starts:
         shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
-        seed = int(np.random.SeedSequence([cfg.seed, index]).generate_state(1)[0])
+        seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
         generator = torch.Generator(device).manual_seed(seed)
         with autocast_for(cfg.amp, device):
             if cfg.sampler == 'ddpm':
@@ -202,39 +229,64 @@ def reference_images(name: str, data_dir: str, image_size: int, split_train: boo
     return data.dataset_images(data.load_dataset(name, data_dir, image_size))  # no split: all of it
 
 
-def reference_statistics(cfg: SampleConfig, image_size: int, extractor) -> dict:
-    """Statistics of the FID reference set, cached in an .npz next to the data."""
-    path = cfg.fid_stats or os.path.join(cfg.data_dir, f'fid_stats_{cfg.fid_data}_{image_size}.npz')
+def reference_statistics(name: str, data_dir: str, image_size: int, extractor, batch_size: int,
+                         cache: str = '') -> dict:
+    """Statistics of the FID reference set (the training split of `name`), cached in an .npz
+    (default: DATA_DIR/fid_stats_<name>_<size>.npz, beside a .beton file) so that they are computed once."""
+    folder = os.path.dirname(data_dir) if os.path.isfile(data_dir) else data_dir  # a .beton is a file
+    path = cache or os.path.join(folder, f'fid_stats_{name}_{image_size}.npz')
     if os.path.isfile(path):
         cached = np.load(path)
         return {'mu': cached['mu'], 'sigma': cached['sigma']}
-    images = reference_images(cfg.fid_data, cfg.data_dir, image_size, split_train=True)
-    batches = tqdm(images.split(cfg.batch_size), desc=f'reference features ({cfg.fid_data})')
+    images = reference_images(name, data_dir, image_size, split_train=True)
+    batches = tqdm(images.split(batch_size), desc=f'reference features ({name})', leave=False)
     stats = statistics(features_of(batches, extractor))
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    np.savez(path, mu=stats['mu'], sigma=stats['sigma'])
+    with open(path + '.tmp', 'wb') as f:  # a run killed mid-write leaves no half cache
+        np.savez(f, mu=stats['mu'], sigma=stats['sigma'])
+    os.replace(path + '.tmp', path)
     return stats
 
 
 # ----------------------------------------------------------------------------- bits/dim
 
-def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
-    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False)[:cfg.bpd_num]
+def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch_size: int, device,
+                   generator: torch.Generator, timesteps: int = 0, amp: str = 'off', progress: bool = True) -> dict:
+    """Per image (uint8 (N, 3, H, W) in): the full bound (timesteps=0, T model calls each) or its
+    unbiased Monte Carlo estimate from `timesteps` timesteps; {'total', 'prior', 'decoder'} (N,)."""
     sched = sched.to(device)
-    amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
-    totals, priors, decoders = [], [], []
-    generator = torch.Generator(device).manual_seed(cfg.seed)
-    for batch in tqdm(images.split(cfg.batch_size), desc='bits/dim (1000 model calls per batch)'):
+    parts = {'total': [], 'prior': [], 'decoder': []}
+    calls = timesteps + 1 if timesteps else sched.num_steps
+    for batch in tqdm(images.split(batch_size), desc=f'bits/dim ({calls} model calls per image)', leave=False,
+                      disable=not progress):
         x0 = batch.to(device).float() / 127.5 - 1
         with autocast_for(amp, device):
-            result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator)
-        totals.append(result['total'].cpu())
-        priors.append(result['prior'].cpu())
-        decoders.append(result['decoder'].cpu())
-    total = torch.cat(totals)
-    return {'bits_per_dim': total.mean().item(), 'stderr': (total.std() / math.sqrt(len(total))).item() if len(total) > 1 else None,
-            'prior': torch.cat(priors).mean().item(), 'decoder': torch.cat(decoders).mean().item(),
-            'images': len(total), 'data': cfg.bpd_data}
+            if timesteps:
+                result = diffusion.vlb_bits_per_dim_mc(model, sched, x0, timesteps, generator=generator)
+            else:
+                result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator)
+        for key in parts:
+            parts[key].append(result[key].double().cpu())
+    return {key: torch.cat(value) for key, value in parts.items()}
+
+
+def summarise_bits(per_image: dict, timesteps: int, num_steps: int) -> dict:
+    """The mean bits/dim and its standard error over images (which, for the Monte Carlo
+    estimate, holds the spread of the timestep draws too)."""
+    total = per_image['total']
+    return {'bits_per_dim': total.mean().item(),
+            'stderr': (total.std() / math.sqrt(len(total))).item() if len(total) > 1 else None,
+            'prior': per_image['prior'].mean().item(), 'decoder': per_image['decoder'].mean().item(),
+            'images': len(total), 'model_calls_per_image': timesteps + 1 if timesteps else num_steps,
+            'estimate': f'Monte Carlo, {timesteps} stratified timesteps' if timesteps else 'full bound'}
+
+
+def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
+    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False)[:cfg.bpd_num]
+    amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    per_image = bits_per_image(model, sched, images, cfg.batch_size, device, generator, cfg.bpd_timesteps, amp)
+    return {**summarise_bits(per_image, cfg.bpd_timesteps, sched.num_steps), 'data': cfg.bpd_data}
 
 
 # ----------------------------------------------------------------------------- main
@@ -246,8 +298,10 @@ def validate(cfg: SampleConfig, sched: diffusion.Schedule):
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
     if cfg.sampler == 'ddim' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
-    if not 0 <= cfg.eta:
-        raise ConfigError(f'--eta must be 0 or more, got {cfg.eta}')
+    if not 0 <= cfg.eta <= 1:  # eta > 1 asks for more noise than the step's posterior has
+        raise ConfigError(f'--eta must be in [0, 1], got {cfg.eta}')
+    if not 0 <= cfg.bpd_timesteps < sched.num_steps:
+        raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
         raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
     if not cfg.bpd or cfg.fid:  # images will be written
@@ -268,7 +322,8 @@ def main(cfg: SampleConfig) -> dict:
             return result  # --bpd alone evaluates; add --fid to sample as well
     extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid else None
     # The reference statistics first: a missing data set fails before the sampling, not after.
-    reference = reference_statistics(cfg, config.image_size, extractor) if cfg.fid else None
+    reference = (reference_statistics(cfg.fid_data, cfg.data_dir, config.image_size, extractor, cfg.batch_size,
+                                      cfg.fid_stats) if cfg.fid else None)
     start = time.perf_counter()
     images = torch.cat(list(draw(model, config, sched, cfg, device)))
     seconds = time.perf_counter() - start

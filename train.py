@@ -2,8 +2,9 @@
 
 Single process:  python train.py --dataset shapes --preset tiny --epochs 2 --device cpu
 Multi-GPU (DDP): torchrun --nproc_per_node 8 train.py --batch-size 1024
-Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 2 bad input,
-3 non-finite loss (the last good checkpoint is kept).
+Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 1 a write failed
+(a full disk), 2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a
+second Ctrl-C.
 """
 import contextlib
 import copy
@@ -17,13 +18,15 @@ import typing
 import dataclasses
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import data
 import diffusion
-from data import brief, flag, one_line
+import sample
+from data import ConfigError, brief, check_writable, flag, one_line, pick_device
 from model import MODEL_VERSION, PRESETS, UNet, count_flops, count_params, get_config, peak_tflops
 
 
@@ -62,6 +65,17 @@ class TrainConfig:
     sampler: str = flag('ddim', 'sampler for the grids', choices=('ddim', 'ddpm'))
     sample_steps: int = flag(50, 'DDIM steps for the grids (ddpm always takes all T steps)')
     num_samples: int = flag(64, 'images per sample grid')
+    eval_every: int = flag(0, 'training images between evaluations (0: none): FID of EMA samples and bits/dim of '
+                              'the EMA on held-out images, as metrics.jsonl rows, and OUT_DIR/curves.png')
+    eval_fid: bool = flag(True, 'FID in the evaluations (Inception weights: downloaded on first use, or '
+                                '--inception-weights; offline without them FID is left out with a warning)')
+    eval_samples: int = flag(10000, 'EMA samples per FID, drawn with --sampler and --sample-steps (papers report '
+                                    '50,000; fewer samples read higher)')
+    eval_bpd_images: int = flag(1000, 'held-out images of the bits/dim estimate')
+    eval_bpd_timesteps: int = flag(32, 'timesteps of the Monte Carlo bits/dim estimate: 1 + this many model calls '
+                                       'per held-out image')
+    inception_weights: str = flag('', 'local InceptionV3 weights for FID (torch-fidelity\'s '
+                                      'weights-inception-2015-12-05-6726825d.pth); default: download')
     ckpt_every: int = flag(5000, 'steps between checkpoints (one is always written at the end)')
     out_dir: str = flag('runs', 'where ckpt.pt and metrics.jsonl go')
     samples_dir: str = flag('ddpm_samples', 'where the sample grids go')
@@ -80,10 +94,6 @@ NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 
 # Fields a resumed run must share with its checkpoint to continue exactly.
 RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout')
-
-
-class ConfigError(Exception):
-    """A bad flag or file; reported as one line, exit code 2."""
 
 
 class NonFiniteLoss(Exception):
@@ -115,21 +125,6 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return cfg
 
 
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'cpu'
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f'unknown device {name!r}: use cpu, cuda or cuda:N') from None
-    if device.type == 'cuda':
-        if not torch.cuda.is_available():
-            raise ConfigError(f'--device {name}: CUDA is not available here; use --device cpu')
-        if device.index is None:
-            device = torch.device('cuda', local_rank)
-    return device
-
-
 def validate(cfg: TrainConfig, device: torch.device, world_size: int):
     """Every flag checked before any work, each failure one ConfigError line."""
     def require(ok: bool, message: str):
@@ -149,7 +144,13 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
     require(cfg.num_workers >= 0, f'--num-workers must be 0 or more, got {cfg.num_workers}')
     for name in ('log_every', 'num_samples', 'heldout_size', 'shapes_count'):
         require(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
-    for name in ('sample_every', 'ckpt_every'):
+    for name in ('eval_samples', 'eval_bpd_images'):
+        require(getattr(cfg, name) >= 1, f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    require(1 <= cfg.eval_bpd_timesteps < NUM_TIMESTEPS, f'--eval-bpd-timesteps must be in [1, {NUM_TIMESTEPS - 1}], '
+                                                         f'got {cfg.eval_bpd_timesteps}')
+    require(not cfg.inception_weights or os.path.isfile(cfg.inception_weights),
+            f'--inception-weights {cfg.inception_weights}: no such file')
+    for name in ('sample_every', 'ckpt_every', 'eval_every'):
         require(getattr(cfg, name) >= 0, f"--{name.replace('_', '-')} must be 0 (never) or more, "
                                          f"got {getattr(cfg, name)}")
     require(1 <= cfg.sample_steps <= NUM_TIMESTEPS, f'--sample-steps must be in [1, {NUM_TIMESTEPS}] '
@@ -158,25 +159,12 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
                                                                f'fast fp16 training); use --amp bf16 or --amp off')
     require(not (cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported()),
             '--amp bf16: this GPU does not support bf16; use --amp fp16')
-    require(not (cfg.dataset == 'beton' and data.ffcv_missing_reason()),
-            f'--loader ffcv / --dataset beton: {data.ffcv_missing_reason()}')
+    ffcv_missing = data.ffcv_missing_reason() if cfg.dataset == 'beton' else None  # importing ffcv costs seconds
+    require(not ffcv_missing, f'--loader ffcv / --dataset beton: {ffcv_missing}')
     try:
         model_config_of(cfg)
     except ValueError as error:
         raise ConfigError(f'--image-size {cfg.image_size}: {error}') from None
-
-
-def check_writable(folder: str, flag_name: str):
-    """Creates the folder and writes a file in it, so that a bad path fails now, not after
-    hours of training."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f'.write-test-{os.getpid()}')
-        with open(probe, 'w') as f:
-            f.write('ok')
-        os.remove(probe)
-    except OSError as error:
-        raise ConfigError(f'{flag_name} {folder}: cannot write there ({error.strerror or error})') from None
 
 
 def resolve_resume(cfg: TrainConfig) -> TrainConfig:
@@ -188,6 +176,11 @@ def resolve_resume(cfg: TrainConfig) -> TrainConfig:
     if not cfg.resume and os.path.isfile(ckpt_path):
         raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
                           f'or pass another --out-dir')
+    into_another_run = (cfg.resume and os.path.isfile(cfg.resume) and os.path.isfile(ckpt_path)
+                        and not os.path.samefile(cfg.resume, ckpt_path))
+    if into_another_run:
+        raise ConfigError(f'--resume {cfg.resume} into --out-dir {cfg.out_dir}, which holds another run\'s '
+                          f'checkpoint: pass an empty --out-dir, or resume that run')
     return cfg
 
 
@@ -251,16 +244,6 @@ def save_checkpoint(state: dict, path: str):
     os.replace(tmp, path)
 
 
-def check_model_version(ckpt: dict, what: str):
-    """Checkpoints of the network before it was made the paper's (version 1: no SiLU before
-    the timestep projections, symmetric downsampling padding, GroupNorm eps 1e-5) have the
-    same tensors but compute another function: refuse them."""
-    version = ckpt.get('model_version', 1)
-    if version != MODEL_VERSION:
-        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
-                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
-
-
 def load_checkpoint(path: str, cfg: TrainConfig, model_config, world_size: int) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f'--resume {path}: no such checkpoint')
@@ -268,7 +251,16 @@ def load_checkpoint(path: str, cfg: TrainConfig, model_config, world_size: int) 
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as error:
         raise ConfigError(f'--resume {path}: cannot load it ({brief(error)})') from None
-    check_model_version(ckpt, f'--resume {path}')
+    sample.check_model_version(ckpt, f'--resume {path}')
+    try:
+        check_resumable(ckpt, path, cfg, model_config, world_size)
+    except (KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f'--resume {path}: not a complete train.py checkpoint ({brief(error)})') from None
+    return ckpt
+
+
+def check_resumable(ckpt: dict, path: str, cfg: TrainConfig, model_config, world_size: int):
+    """The architecture, the settings of an exact resume and the rank count must match."""
     theirs = ckpt.get('model_config') or {}
     diffs = [f'{k}={theirs.get(k)!r} (now {v!r})' for k, v in asdict(model_config).items()
              if theirs.get(k) != v and k not in ('attention', 'dropout')]  # these two hold no weights
@@ -281,7 +273,6 @@ def load_checkpoint(path: str, cfg: TrainConfig, model_config, world_size: int) 
                               f'this run {getattr(cfg, name)}; an exact resume needs the same value')
     if len(ckpt['rng']) != world_size:
         raise ConfigError(f'--resume {path}: written by {len(ckpt["rng"])} ranks, this run has {world_size}')
-    return ckpt
 
 
 # ----------------------------------------------------------------------------- the run
@@ -296,7 +287,7 @@ class StopFlag:
     minutes). A second Ctrl-C aborts at once."""
 
     def __init__(self):
-        self.reason, self.in_interruptible = None, False
+        self.reason, self.in_interruptible = None, 0
 
     def __call__(self, signum, frame):
         if self.reason is not None and signum == signal.SIGINT:
@@ -315,11 +306,11 @@ class StopFlag:
         a stop is requested."""
         if self.reason is not None:
             raise StopRequested(self.reason)
-        self.in_interruptible = True
+        self.in_interruptible += 1
         try:
             yield
         finally:
-            self.in_interruptible = False
+            self.in_interruptible -= 1
 
 
 def any_rank(flag: bool, group) -> bool:
@@ -408,25 +399,80 @@ def main(cfg: TrainConfig) -> dict:
     check_writable(cfg.out_dir, '--out-dir')
     if cfg.sample_every:
         check_writable(cfg.samples_dir, '--samples-dir')
-    remove_stale_temporary(os.path.join(cfg.out_dir, 'ckpt.pt'), rank)
+    if rank == 0:
+        remove_stale_temporary(os.path.join(cfg.out_dir, 'ckpt.pt'))
+        if ckpt is None:
+            set_aside_old_metrics(cfg.out_dir)
+    stop = StopFlag()
+    restore_signals = stop.install()
     control_group = init_process_group(device, rank, world_size)
     try:
-        run = build_run(cfg, device, rank, world_size, progress=rank == 0)
-        if ckpt is not None:
-            check_same_data(ckpt, run, cfg.resume)
-        step = restore(run, ckpt) if ckpt else 0
-        return train(run, step, control_group)
+        # A stop during start-up (data, model, reference statistics) ends the run at once in
+        # a single process: nothing has been trained, nothing is lost. Under DDP the ranks
+        # must first meet in the loop, where they agree on stops.
+        with stop.interruptible() if world_size == 1 else contextlib.nullcontext():
+            run = build_run(cfg, device, rank, world_size, progress=rank == 0)
+            if ckpt is not None:
+                check_same_data(ckpt, run, cfg.resume)
+            step = restore(run, ckpt) if ckpt else 0
+            logger, evaluator = start_logging(run, step, stop, control_group)
+            logger.train_seconds = ckpt.get('train_seconds', 0.0) if ckpt else 0.0
+        return train(run, step, logger, evaluator, control_group, eval_owed=bool(ckpt and ckpt.get('eval_owed')))
+    except StopRequested:
+        print(f'stopped by {stop.reason} before training started: nothing to save', flush=True)
+        return {'step': ckpt['step'] if ckpt else 0, 'stopped': stop.reason, 'last': {}, 'checkpoint': cfg.resume}
     finally:
+        restore_signals()
         if world_size > 1:
             dist.destroy_process_group()
 
 
-def remove_stale_temporary(ckpt_path: str, rank: int):
+def start_logging(run: 'Run', step: int, stop: 'StopFlag', control_group) -> tuple:
+    """The Logger and (with --eval-every) the Evaluator. Their start-up work (held-out images,
+    Inception network, reference statistics) runs on every rank or on rank 0; if it fails on
+    any rank, every rank stops with an error instead of leaving the others in a collective."""
+    cfg = run.cfg
+    total_steps = cfg.steps or cfg.epochs * run.loader.batches_per_epoch
+
+    def make():
+        logger = Logger(run, step, total_steps, stop)
+        return logger, Evaluator(run, logger, control_group) if cfg.eval_every else None
+    logger, evaluator = on_all_ranks(make, control_group)
+    if evaluator is not None and any_rank(cfg.eval_fid and evaluator.extractor is None, control_group):
+        evaluator.extractor = evaluator.reference = None  # FID on every rank or on none
+    logger.interval_start = time.perf_counter()  # the reference statistics are not training time
+    return logger, evaluator
+
+
+def on_all_ranks(make, control_group):
+    """make() on this rank; if it raised a ConfigError, DataError or OSError on any rank,
+    every rank raises (a lone failure would leave the others waiting in a collective)."""
+    error = None
+    try:
+        result = make()
+    except (ConfigError, data.DataError, OSError) as failure:
+        error, result = failure, None
+    if any_rank(error is not None, control_group):
+        raise error or ConfigError('another rank failed during start-up (its error is above)')
+    return result
+
+
+def remove_stale_temporary(ckpt_path: str):
     """A ckpt.pt.tmp left by a write that was killed is garbage (the rename never happened)."""
     tmp = ckpt_path + '.tmp'
-    if rank == 0 and os.path.exists(tmp):
+    if os.path.exists(tmp):
         os.remove(tmp)
         print(f'removed {tmp}, left by a checkpoint write that did not finish ({ckpt_path} is intact)', flush=True)
+
+
+def set_aside_old_metrics(out_dir: str):
+    """A fresh run in a folder whose earlier run left metrics but no checkpoint (it failed or
+    was stopped before its first one) starts its own metrics.jsonl; the old one is kept."""
+    path = os.path.join(out_dir, 'metrics.jsonl')
+    if os.path.exists(path):
+        number = next(n for n in range(1, 10 ** 6) if not os.path.exists(f'{path}.{n}'))
+        os.replace(path, f'{path}.{number}')
+        print(f'{path} of an earlier run without a checkpoint kept as {path}.{number}', flush=True)
 
 
 def check_same_data(ckpt: dict, run: 'Run', path: str):
@@ -541,8 +587,10 @@ def batches(run: Run, step: int):
             step += 1
 
 
-def checkpoint_state(run: Run, step: int, control_group) -> dict:
-    """The checkpoint dict; every rank must call it (the RNG states of all ranks are gathered)."""
+def checkpoint_state(run: Run, step: int, control_group, eval_owed: bool = False, train_seconds: float = 0.0) -> dict:
+    """The checkpoint dict; every rank must call it (the RNG states of all ranks are gathered).
+    eval_owed: an evaluation due at this step did not run (a stop came first); train_seconds:
+    the training time so far, so that a resumed run's evaluations count training hours on."""
     rng = {'cpu': torch.get_rng_state(),
            'cuda': torch.cuda.get_rng_state(run.device) if run.device.type == 'cuda' else None}
     rng_all = [rng]
@@ -554,7 +602,8 @@ def checkpoint_state(run: Run, step: int, control_group) -> dict:
             'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
             'epoch': epoch, 'batch_in_epoch': batch, 'config': asdict(run.cfg),
             'model_config': asdict(run.model.config), 'model_version': MODEL_VERSION, 'rng': rng_all,
-            'data': {'count': run.num_images, 'fingerprint': run.data_fingerprint}}
+            'data': {'count': run.num_images, 'fingerprint': run.data_fingerprint}, 'eval_owed': eval_owed,
+            'train_seconds': train_seconds}
 
 
 def total_loss(loss_sum: torch.Tensor, run: Run) -> float:
@@ -583,7 +632,7 @@ class Logger:
         self.bar = tqdm(total=total_steps, initial=step, disable=not self.active, dynamic_ncols=True, desc='train')
         self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
         self.interval_start, self.paused_s, self.train_seconds, self.last = time.perf_counter(), 0.0, 0.0, {}
-        self.grids = []
+        self.grids, self.curves_drawn = [], 0.0
         if self.active:
             self.write({'config': asdict(cfg), 'model_config': asdict(run.model.config), 'start_step': step,
                         'world_size': run.world_size, 'loader': run.loader_kind, 'device': str(run.device),
@@ -596,6 +645,10 @@ class Logger:
     def print(self, message: str):
         if self.active:
             tqdm.write(message)
+
+    def warn(self, message: str):
+        if self.active:
+            tqdm.write(f'warning: {message}', file=sys.stderr)
 
     def write(self, row: dict):
         with open(self.path, 'a') as f:
@@ -627,7 +680,8 @@ class Logger:
         self.train_seconds += seconds
         img_per_s = timed * cfg.batch_size / seconds if timed > 0 and seconds > 0 else None
         per_gpu = img_per_s / self.run.world_size if img_per_s else None
-        row = {'step': step, 'epoch': step / self.run.loader.batches_per_epoch, 'loss': mean_loss,
+        row = {'kind': 'train', 'step': step, 'images_seen': step * cfg.batch_size,
+               'epoch': step / self.run.loader.batches_per_epoch, 'loss': mean_loss,
                'lr': lr_at(step - 1, cfg), 'img_per_s': img_per_s, 'img_per_s_per_gpu': per_gpu,
                'mfu': per_gpu * self.flops['train'] / (self.peak * 1e12) if self.peak and per_gpu else None,
                'train_hours': self.train_seconds / 3600}
@@ -645,8 +699,42 @@ class Logger:
                     row.pop('heldout_loss', None)  # cut short by a stop: the row without it
             self.write(row)
             self.bar.set_postfix(loss=f'{mean_loss:.4f}', img_s=f'{img_per_s or 0:.0f}')
+            if self.run.cfg.eval_every:
+                self.curves()
         self.last = row
         self.interval_start, self.paused_s = time.perf_counter(), 0.0
+
+    def curves(self, force: bool = False):
+        """Redraws OUT/curves.png (at every evaluation and at the end; after a log row at most
+        once every 30 s, since matplotlib costs about a second)."""
+        if not self.active or (not force and time.perf_counter() - self.curves_drawn < 30):
+            return
+        with self.paused():
+            write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
+        self.curves_drawn = time.perf_counter()
+
+    def training_seconds(self) -> float:
+        """Training time so far: the logged intervals and the current one, pauses left out."""
+        return self.train_seconds + time.perf_counter() - self.interval_start - self.paused_s
+
+    def evaluate(self, evaluator: 'Evaluator', step: int) -> bool:
+        """An evaluation row; False if a stop cut it short (in a single process; under DDP the
+        ranks are inside collectives, so it finishes)."""
+        hours = self.training_seconds() / 3600
+        with self.paused():
+            try:
+                with self.stop.interruptible() if self.run.world_size == 1 else contextlib.nullcontext():
+                    row = evaluator(step, hours)
+            except StopRequested:
+                self.print(f'evaluation at step {step} left out: a stop was requested; the resumed run owes it')
+                return False
+        if self.active:
+            self.write(row)
+            fid = f", FID {row['fid']:.2f} ({row['fid_samples']} samples)" if 'fid' in row else ''
+            self.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
+                       f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
+            self.curves(force=True)
+        return True
 
     def grid(self, path: str):
         """A grid of EMA samples; a failure to write it is reported and training goes on."""
@@ -661,7 +749,144 @@ class Logger:
             except StopRequested:
                 self.print(f'{path}: left out, a stop was requested')
             except OSError as error:
-                self.print(f'warning: could not write the sample grid {path} ({brief(error)}); training goes on')
+                self.warn(f'could not write the sample grid {path} ({brief(error)}); training goes on')
+
+
+class Evaluator:
+    """FID of EMA samples and a Monte Carlo estimate of the EMA's bits/dim on held-out images,
+    every --eval-every training images. Every rank takes a share (batches of samples, held-out
+    images), so that none waits idle into a timeout; rank 0 gathers, writes the row and draws
+    the curves. The reference statistics are computed (or read from their cache) at the start,
+    so that a missing data set or Inception network shows before training, not after."""
+
+    def __init__(self, run: Run, logger: 'Logger', control_group=None):
+        cfg, self.run, self.logger, self.control_group = run.cfg, run, logger, control_group
+        self.images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.eval_bpd_images)
+        self.extractor = self.reference = None
+        if cfg.eval_fid:
+            try:
+                self.extractor = sample.inception_extractor(cfg.inception_weights, run.device)
+            except ConfigError as error:
+                logger.warn(f'FID is left out of the evaluations: {error}')
+        if self.extractor is not None and run.rank == 0:
+            self.reference = sample.reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, self.extractor,
+                                                         self.batch_size)
+        self.sampling = sample.SampleConfig(num=cfg.eval_samples, batch_size=self.batch_size, sampler=cfg.sampler,
+                                            steps=cfg.sample_steps, seed=cfg.seed, amp='auto')
+
+    @property
+    def batch_size(self) -> int:
+        return max(self.run.cfg.batch_size // self.run.world_size, 1)
+
+    def due(self, step: int) -> bool:
+        """At the first step at or past each multiple of --eval-every images (so runs of any batch
+        size evaluate at the same image counts, and a resumed run keeps the schedule)."""
+        every, batch = self.run.cfg.eval_every, self.run.cfg.batch_size
+        return bool(every) and step * batch // every > (step - 1) * batch // every
+
+    def ema_on_every_rank(self) -> torch.nn.Module:
+        run = self.run
+        if run.world_size == 1:
+            return run.ema
+        ema = run.ema if run.rank == 0 else copy.deepcopy(run.model).eval()
+        for tensor in ema.state_dict().values():
+            dist.broadcast(tensor, src=0)
+        return ema
+
+    @torch.no_grad()
+    def __call__(self, step: int, train_hours: float) -> dict:
+        run, cfg = self.run, self.run.cfg
+        start = time.perf_counter()
+        ema = self.ema_on_every_rank()
+        generator = torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + step * 131 + run.rank)
+        mine = self.images[run.rank::run.world_size]
+        bits = sample.bits_per_image(ema, run.sched, mine, self.batch_size, run.device, generator,
+                                     cfg.eval_bpd_timesteps, amp='off', progress=False)
+        features = None
+        if self.extractor is not None:
+            batches = sample.draw(ema, run.model.config, run.sched, self.sampling, run.device, progress=False,
+                                  rank=run.rank, world_size=run.world_size)
+            features = sample.features_of(batches, self.extractor).astype('float32')
+        bits, features = gather_to_rank0((bits, features), run, self.control_group)
+        if run.rank != 0:
+            return {}
+        row = {'kind': 'eval', 'step': step, 'images_seen': step * cfg.batch_size, 'train_hours': train_hours}
+        summary = sample.summarise_bits({k: torch.cat([b[k] for b in bits]) for k in bits[0]},
+                                        cfg.eval_bpd_timesteps, run.sched.num_steps)
+        row.update(bpd=summary['bits_per_dim'], bpd_stderr=summary['stderr'], bpd_images=summary['images'],
+                   bpd_model_calls_per_image=summary['model_calls_per_image'])
+        if self.extractor is not None:
+            stats = sample.statistics(np.concatenate(features).astype('float64'))
+            row.update(fid=sample.frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
+                       fid_sampler=f'{cfg.sampler}-{cfg.sample_steps if cfg.sampler == "ddim" else NUM_TIMESTEPS}')
+        row['eval_seconds'] = time.perf_counter() - start
+        return row
+
+
+def gather_to_rank0(values: tuple, run: Run, group) -> list:
+    """For each of the values, the list of every rank's on rank 0 (None elsewhere), through
+    the CPU control group."""
+    if run.world_size == 1:
+        return [[item] for item in values]
+    gathered = [None] * run.world_size if run.rank == 0 else None
+    dist.gather_object(values, gathered, dst=0, group=group)
+    return [list(items) for items in zip(*gathered)] if run.rank == 0 else [None, None]
+
+
+def write_curves(metrics_path: str, png_path: str):
+    """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
+    standard error) and FID against training images seen, training hours on the top axis."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train_rows = [r for r in rows if r.get('kind') == 'train']
+    eval_rows = [r for r in rows if r.get('kind') == 'eval']
+    panels = [('loss', train_rows)] + [(name, eval_rows) for name in ('bpd', 'fid') if any(name in r for r in eval_rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (name, source) in zip(axes[0], panels):
+        if name == 'loss':
+            for key, label in (('loss', 'training loss'), ('heldout_loss', 'held-out loss'),
+                               ('heldout_loss_ema', 'held-out loss, EMA')):
+                points = [(r['images_seen'], r[key]) for r in source if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), marker='.', label=label)
+            if ax.lines:
+                ax.set_yscale('log')
+                ax.legend(fontsize=8)
+        else:
+            points = [r for r in source if r.get(name) is not None]
+            errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
+            ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
+                        capsize=3)
+        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)'}[name])
+        ax.set_xlabel('training images seen')
+        ax.grid(alpha=0.3)
+        add_hours_axis(ax, rows)
+    fig.tight_layout()
+    fig.savefig(png_path + '.tmp.png', dpi=100)
+    plt.close(fig)
+    os.replace(png_path + '.tmp.png', png_path)
+
+
+def add_hours_axis(ax, rows: list):
+    """Training hours (evaluation, grids and checkpoints left out) as a top axis."""
+    latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
+    for r in rows:
+        if r.get('train_hours') is not None and 'images_seen' in r:
+            latest[r['images_seen']] = max(r['train_hours'], latest.get(r['images_seen'], 0.0))
+    pairs, top_hours = [], -1.0
+    for images_seen, hours in sorted(latest.items()):
+        if hours > top_hours:
+            pairs.append((images_seen, hours))
+            top_hours = hours
+    if len(pairs) < 2:
+        return
+    images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
+    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, hours),
+                                               lambda h: np.interp(h, hours, images)))
+    top.set_xlabel('training hours', fontsize=8)
 
 
 def synchronize(device: torch.device):
@@ -669,19 +894,20 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
 
 
-def train(run: Run, step: int, control_group=None) -> dict:
-    """The loop: steps, then at the right steps a log line, a checkpoint, a stop check and a
-    sample grid. The device is only synchronised at log intervals and checkpoints. On SIGTERM
-    or Ctrl-C the step finishes and the checkpoint is saved at once: no evaluation, no grid."""
-    cfg, per_epoch = run.cfg, run.loader.batches_per_epoch
+def train(run: Run, step: int, logger: 'Logger', evaluator: 'Evaluator' = None, control_group=None,
+          eval_owed: bool = False) -> dict:
+    """The loop: steps, then at the right steps a log line, a checkpoint, an evaluation, a stop
+    check and a sample grid. The device is only synchronised at log intervals and checkpoints.
+    On SIGTERM or Ctrl-C the step finishes and the checkpoint is saved at once: no evaluation
+    (it is owed to the resumed run), no grid."""
+    cfg, per_epoch, stop = run.cfg, run.loader.batches_per_epoch, logger.stop
     total_steps = cfg.steps or cfg.epochs * per_epoch
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
-    stop = StopFlag()
-    logger = Logger(run, step, total_steps, stop)
     last_good = f'{cfg.resume} (step {step}, resumed from)' if cfg.resume else None
     loss_sum, unlogged, stopped = torch.zeros((), device=run.device), 0, None
-    restore_signals = stop.install()
     start_time = time.perf_counter()
+    if eval_owed and evaluator is not None:  # the stop of the last run came at an evaluation
+        eval_owed = not logger.evaluate(evaluator, step)
     try:
         for x0 in batches(run, step):
             loss_sum += train_step(run, x0, step)
@@ -694,6 +920,7 @@ def train(run: Run, step: int, control_group=None) -> dict:
             elif step % 10 == 0 or at_end:  # ranks agree on a stop every 10 steps (every rank must call)
                 if any_rank(stop.reason is not None, control_group):
                     stopped = stop.reason or 'a signal on another rank'
+            eval_owed = eval_owed or (evaluator is not None and evaluator.due(step))
             must_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or at_end or stopped
             if step % cfg.log_every == 0 or at_end or (must_save and unlogged):
                 # Never log or save past a non-finite loss.
@@ -705,9 +932,11 @@ def train(run: Run, step: int, control_group=None) -> dict:
                 logger.interval(step, unlogged, mean_loss, evaluate=not stopped)
                 loss_sum.zero_()
                 unlogged = 0
+            if eval_owed and not stopped:
+                eval_owed = not logger.evaluate(evaluator, step)
             if must_save:  # before the grid: a failing grid never costs a checkpoint
                 with logger.paused():
-                    state = checkpoint_state(run, step, control_group)
+                    state = checkpoint_state(run, step, control_group, eval_owed, logger.training_seconds())
                     if run.rank == 0:
                         save_checkpoint(state, ckpt_path)
                 last_good = f'{ckpt_path} (step {step})'
@@ -717,7 +946,6 @@ def train(run: Run, step: int, control_group=None) -> dict:
                 logger.grid(os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'))
     finally:
         logger.bar.close()
-        restore_signals()
     return finish(run, step, stopped, logger, ckpt_path, time.perf_counter() - start_time, control_group)
 
 
@@ -738,6 +966,8 @@ def finish(run: Run, step: int, stopped, logger: Logger, ckpt_path: str, seconds
     if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
         name = f'epoch_{step // per_epoch:04d}.png' if step % per_epoch == 0 else f'step_{step:07d}.png'
         logger.grid(os.path.join(cfg.samples_dir, name))
+    if cfg.eval_every:
+        logger.curves(force=True)
     samples = f', samples in {cfg.samples_dir}/' if logger.grids else ''
     logger.print(f'done: {step} steps in {seconds:.1f}s; loss {last.get("loss", float("nan")):.4f}, '
                  f'held-out loss {last.get("heldout_loss", float("nan")):.4f} (EMA '
@@ -755,6 +985,12 @@ def cli(argv=None) -> int:
     except NonFiniteLoss as error:
         print(f'error: {error}', file=sys.stderr)
         return 3
+    except OSError as error:  # a full disk while writing a checkpoint or metrics: the last checkpoint is whole
+        print(f'error: {brief(error, 300)}', file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print('aborted by a second Ctrl-C (the last checkpoint written is whole)', file=sys.stderr)
+        return 130
     return 0
 
 

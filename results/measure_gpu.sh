@@ -67,7 +67,9 @@ fi
 environment() {  # what ran it
   { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null || true
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>/dev/null || echo "no nvidia-smi"
-    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"; } > "$out/$1-environment.txt"
+    python3 -c "import importlib.util, os, runpy  # torch's version without the seconds of importing it
+v = runpy.run_path(os.path.join(os.path.dirname(importlib.util.find_spec('torch').origin), 'version.py'))
+print('torch', v['__version__'], 'cuda', v['cuda'])"; } > "$out/$1-environment.txt"
 }
 
 bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log

@@ -12,3 +12,27 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 @pytest.fixture(scope='session')
 def root():
     return ROOT
+
+
+@pytest.fixture(scope='session')
+def shapes_fid_stats(tmp_path_factory):
+    """The FID reference statistics of `shapes` at 16x16 under the stand-in extractor, computed
+    once (50,000 shapes take seconds to draw) for the tests that train with FID evaluations."""
+    import sample
+    from helpers import stand_in_extractor
+    folder = tmp_path_factory.mktemp('fid-stats')
+    sample.reference_statistics('shapes', str(folder), 16, stand_in_extractor, 1000)
+    return folder / 'fid_stats_shapes_16.npz'
+
+
+@pytest.fixture
+def shapes_fid_dir(shapes_fid_stats):
+    """shapes_fid_dir(tmp_path): a --data-dir holding those statistics, as a run would have cached them."""
+    import shutil
+
+    def make(tmp_path):
+        folder = tmp_path / 'data'
+        folder.mkdir(exist_ok=True)
+        shutil.copy(shapes_fid_stats, folder)
+        return str(folder)
+    return make

@@ -204,3 +204,34 @@ def test_fingerprint_tells_data_sets_apart():
     assert data.fingerprint(a) == data.fingerprint(data.ImageTensorDataset(data.make_shapes(100, 8, seed=0)))
     assert data.fingerprint(a) != data.fingerprint(data.ImageTensorDataset(data.make_shapes(100, 8, seed=1)))
     assert data.fingerprint(a) != data.fingerprint(data.ImageTensorDataset(data.make_shapes(101, 8, seed=0)))
+
+
+def test_folder_crops_the_centre_and_finds_upper_case_extensions(tmp_path):
+    from PIL import Image
+    import numpy as np
+    wide = np.zeros((16, 48, 3), dtype=np.uint8)
+    wide[:, :16] = (255, 0, 0)      # left third red
+    wide[:, 16:32] = (0, 255, 0)    # middle green
+    wide[:, 32:] = (0, 0, 255)      # right blue
+    Image.fromarray(wide).save(tmp_path / 'WIDE.PNG')
+    (image,) = data.ImageFolderDataset(str(tmp_path), 16)  # shorter side already 16: only the crop acts
+    assert torch.equal(image, torch.tensor([0, 255, 0], dtype=torch.uint8).view(3, 1, 1).expand(3, 16, 16))
+
+
+def test_downscaling_averages_instead_of_picking_pixels():
+    stripes = torch.zeros(1, 3, 32, 32, dtype=torch.uint8)
+    stripes[..., ::2] = 255  # one-pixel columns: any point sampling gives 0 or 255
+    small = data.resize_images(stripes, 16)
+    assert small.shape == (1, 3, 16, 16) and (small.float() - 127.5).abs().max() < 20
+
+
+def test_heldout_sets_are_not_training_images(tmp_path, fake_cifar_checksums):
+    train = data.make_shapes(64, 16, seed=0)
+    heldout = data.load_heldout('shapes', '', 16, 64)
+    assert not any(torch.equal(h, t) for h in heldout for t in train)
+    write_cifar10(tmp_path, train_per_batch=6, test_count=5)
+    import pickle
+    with open(tmp_path / 'cifar-10-batches-py' / 'test_batch', 'rb') as f:
+        test_rows = pickle.load(f)['data']
+    expected = torch.from_numpy(test_rows[:4]).reshape(4, 3, 32, 32)
+    assert torch.equal(data.load_heldout('cifar10', str(tmp_path), 32, 4), expected)  # the test split

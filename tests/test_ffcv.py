@@ -1,6 +1,3 @@
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -41,13 +38,12 @@ def test_ffcv_loader_yields_the_same_batches_as_the_others(beton):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
 
 
-def test_data_py_command_line(tmp_path, root):
+def test_data_py_command_line(tmp_path, capsys):
     out = tmp_path / 'cli.beton'
-    result = subprocess.run([sys.executable, 'data.py', '--write-beton', str(out), '--dataset', 'shapes',
-                             '--shapes-count', '40', '--image-size', '16', '--num-workers', '1'],
-                            cwd=root, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert 'wrote 40 images' in result.stdout and len(data.BetonDataset(str(out))) == 40
+    assert data.main(['--write-beton', str(out), '--dataset', 'shapes', '--shapes-count', '40', '--image-size', '16',
+                      '--num-workers', '1']) == 0
+    assert 'wrote 40 images' in capsys.readouterr().out and len(data.BetonDataset(str(out))) == 40
+    assert not (tmp_path / 'cli.beton.tmp').exists()  # written beside, then renamed
 
 
 def test_train_from_beton_and_resume_exactly(beton, tmp_path):
@@ -66,3 +62,23 @@ def test_train_from_beton_and_resume_exactly(beton, tmp_path):
                                 '--steps', '16')) == 0
     gpu = torch.load(tmp_path / 'gpu' / 'run' / 'ckpt.pt', weights_only=True)
     assert all(torch.equal(t, gpu['model'][name]) for name, t in whole['model'].items())
+
+
+def test_data_py_unwritable_destination_is_one_error_line(tmp_path, capsys):
+    (tmp_path / 'a-file').write_text('')
+    assert data.main(['--write-beton', str(tmp_path / 'a-file' / 'x.beton'), '--dataset', 'shapes',
+                      '--shapes-count', '8', '--image-size', '16']) == 2
+    err = capsys.readouterr().err
+    assert err.startswith('error: --write-beton') and len(err.strip().splitlines()) == 1
+
+
+def test_fid_statistics_of_a_beton_are_cached_beside_it(beton):
+    import os
+
+    import sample
+    from helpers import stand_in_extractor
+    stats = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
+    cache = os.path.join(os.path.dirname(beton), 'fid_stats_beton_16.npz')
+    assert os.path.isfile(cache) and not os.path.exists(cache + '.tmp')
+    again = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
+    assert (again['mu'] == stats['mu']).all()

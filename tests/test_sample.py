@@ -6,7 +6,7 @@ import data
 import diffusion
 import sample
 import train
-from helpers import train_args
+from helpers import stand_in_extractor, train_args
 
 
 @pytest.fixture(scope='module')
@@ -56,12 +56,6 @@ def test_bits_per_dim(tmp_path):
     assert result['bits_per_dim'] == pytest.approx(totals.mean().item(), rel=1e-5)
 
 
-def stand_in_extractor(images: torch.Tensor) -> torch.Tensor:
-    """A fixed, linear feature map (per-channel means and a few pixels): no download needed."""
-    x = images.double() / 255
-    return torch.cat([x.mean(dim=(2, 3)), x[:, :, 0, :4].flatten(1)], dim=1)
-
-
 def test_frechet_distance_closed_forms():
     rng = np.random.default_rng(0)
     features = rng.normal(size=(500, 6)) @ rng.normal(size=(6, 6))
@@ -84,6 +78,7 @@ def test_fid_path_with_stand_in_extractor(ckpt, tmp_path, monkeypatch):
     result = sample.main(cfg)
     assert np.isfinite(result['fid']) and result['fid'] > 0
     assert (tmp_path / 'data' / 'fid_stats_shapes_16.npz').exists()  # reference statistics cached
+    assert not list((tmp_path / 'data').glob('*.tmp'))  # written whole, then renamed
     # Features of the reference set against themselves: FID 0.
     reference = sample.reference_images('shapes', '', 16, split_train=True)[:200]
     stats = sample.statistics(sample.features_of(reference.split(50), stand_in_extractor))
@@ -107,6 +102,18 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path, capsys):
     (tmp_path / 'junk.pt').write_bytes(b'junk')
     assert sample.cli(['--ckpt', str(tmp_path / 'junk.pt')]) == 2
     assert 'not a train.py checkpoint' in capsys.readouterr().err
+    torch.save({'weights': torch.zeros(1)}, tmp_path / 'dict.pt')  # a torch file, but not ours
+    assert sample.cli(['--ckpt', str(tmp_path / 'dict.pt')]) == 2
+    assert 'not a train.py checkpoint' in capsys.readouterr().err
+
+
+def test_checkpoint_whose_weights_do_not_fit_is_a_clear_error(ckpt, tmp_path, capsys):
+    state = torch.load(ckpt, weights_only=True)
+    state['ema'] = {name: tensor[..., :1] for name, tensor in state['ema'].items()}
+    torch.save(state, tmp_path / 'cut.pt')
+    assert sample.cli(['--ckpt', str(tmp_path / 'cut.pt'), '--device', 'cpu', '--out', str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'do not fit its model_config' in err and len(err.splitlines()) == 1 and len(err) < 500
 
 
 def batch_seed(seed: int, index: int) -> int:
@@ -175,12 +182,22 @@ def test_diffusers_folder_errors(tmp_path, capsys):
     (tmp_path / 'empty').mkdir()
     assert sample.cli(['--ckpt', str(tmp_path / 'empty'), '--num', '1', '--device', 'cpu']) == 2
     assert 'config.json' in capsys.readouterr().err
+    config_path.write_text('[1, 2]')
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'not a JSON object' in capsys.readouterr().err
+    config_path.write_text(json.dumps(config))
+    (tmp_path / 'pipe' / 'scheduler' / 'scheduler_config.json').write_text('{"beta_sch')
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'not a scheduler configuration' in capsys.readouterr().err
 
 
 @pytest.mark.parametrize('extra, expected', [
     (['--steps', '1001'], 'only T=1000 steps'),
     (['--num', '0'], '--num must be at least 1'),
-    (['--eta=-1'], '--eta must be 0 or more'),
+    (['--eta=-1'], '--eta must be in [0, 1]'),
+    (['--sampler', 'ddim', '--eta', '1.5'], '--eta must be in [0, 1]'),
+    (['--device', 'meta'], '--device'),
+    (['--bpd', '--bpd-timesteps', '1000'], '--bpd-timesteps must be in [0, 999]'),
     (['--inception-weights', '/nonexistent.pth', '--fid'], 'no such file'),
     (['--sampler', 'euler'], 'invalid choice'),
 ])

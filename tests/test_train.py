@@ -15,7 +15,7 @@ import torchvision
 import data
 import diffusion
 import train
-from helpers import train_args, write_cifar10, write_image_folder
+from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
 
 
 def run(tmp_path, *extra):
@@ -161,7 +161,7 @@ def test_train_on_shapes_writes_everything(tmp_path):
     assert ckpt['config']['preset'] == 'tiny'
     lines = metrics(tmp_path)
     assert lines[0]['config']['batch_size'] == 8
-    rows = [row for row in lines if 'step' in row]
+    rows = [row for row in lines if row.get('kind') == 'train']
     assert [row['step'] for row in rows] == [5, 10, 15, 20, 24]
     for row in rows:
         assert {'loss', 'lr', 'img_per_s', 'heldout_loss', 'heldout_loss_ema'} <= set(row)
@@ -176,7 +176,7 @@ def test_train_on_shapes_writes_everything(tmp_path):
 
 def test_loss_goes_down_on_shapes(tmp_path):
     assert run(tmp_path, '--steps', '60', '--log-every', '20', '--sample-every', '0', '--lr', '2e-3') == 0
-    rows = [row for row in metrics(tmp_path) if 'step' in row]
+    rows = [row for row in metrics(tmp_path) if row.get('kind') == 'train']
     assert rows[-1]['heldout_loss'] < 0.6 * rows[0]['heldout_loss']
 
 
@@ -276,6 +276,10 @@ def _stderr_line(capsys):
     (['--sample-steps', '2000'], '--sample-steps must be in [1, 1000]'),
     (['--ckpt-every', '-1'], '--ckpt-every must be 0'),
     (['--device', 'tpu'], 'unknown device'),
+    (['--device', 'mps'], 'unknown device'),
+    (['--eval-bpd-timesteps', '1000'], '--eval-bpd-timesteps must be in [1, 999]'),
+    (['--eval-every=-1'], '--eval-every must be 0'),
+    (['--inception-weights', '/nonexistent.pth'], 'no such file'),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, expected):
     try:
@@ -331,6 +335,25 @@ def test_real_cli_exit_code_and_stderr(tmp_path, root):
     assert 'cannot be halved' in result.stderr and 'Traceback' not in result.stderr
 
 
+def test_a_signal_cuts_evaluation_short_but_not_training():
+    stop = train.StopFlag()
+    restore = stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # outside an interruptible section: only noted
+        assert stop.reason == 'SIGTERM'
+        with pytest.raises(train.StopRequested):
+            with stop.interruptible():  # none starts once a stop is requested
+                pass
+        stop.reason = None
+        with pytest.raises(train.StopRequested):
+            with stop.interruptible():
+                os.kill(os.getpid(), signal.SIGTERM)  # inside: raised at once
+                time.sleep(5)
+        assert stop.reason == 'SIGTERM' and not stop.in_interruptible
+    finally:
+        restore()
+
+
 def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
     # Large held-out set and grids: if the stop evaluated or sampled first, it would take long.
     args = train_args(tmp_path, '--steps', '100000', '--log-every', '2', '--ckpt-every', '0',
@@ -360,7 +383,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
 
 
 def test_ddp_two_gloo_ranks_end_identical(tmp_path, root):
-    args = train_args(tmp_path, '--steps', '6', '--dropout', '0.1')
+    args = train_args(tmp_path, '--steps', '6', '--dropout', '0.1', '--eval-every', '24', '--no-eval-fid',
+                      '--eval-bpd-images', '6', '--eval-bpd-timesteps', '2')
     result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                              'train.py', *args],
                             cwd=root, capture_output=True, text=True, timeout=240,
@@ -371,7 +395,10 @@ def test_ddp_two_gloo_ranks_end_identical(tmp_path, root):
     assert ckpt['step'] == 6 and len(ckpt['rng']) == 2
     # Only rank 0 writes: one header line (world size 2) and one set of rows.
     lines = metrics(tmp_path)
-    assert lines[0]['world_size'] == 2 and sum('step' in row for row in lines) == 2
+    assert lines[0]['world_size'] == 2 and sum(row.get('kind') == 'train' for row in lines) == 2
+    evaluations = eval_rows(tmp_path)  # at 24 and 48 images, the ranks' halves gathered on rank 0
+    assert [r['step'] for r in evaluations] == [3, 6]
+    assert all(r['bpd_images'] == 6 and r['bpd'] > 0 for r in evaluations)
 
 
 def test_ffcv_without_ffcv_says_how_to_install(tmp_path, capsys, monkeypatch):
@@ -464,13 +491,38 @@ def test_resume_on_another_folder_is_refused(tmp_path, capsys):
     assert run(tmp_path, *common, '--data-dir', str(tmp_path / 'a'), '--steps', '4', '--resume', ckpt) == 0
 
 
+def test_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
+    assert run(tmp_path / 'a', '--steps', '2', '--sample-every', '0') == 0
+    assert run(tmp_path / 'b', '--steps', '2', '--sample-every', '0') == 0
+    before = (tmp_path / 'b' / 'run' / 'ckpt.pt').read_bytes()
+    capsys.readouterr()
+    other = str(tmp_path / 'a' / 'run' / 'ckpt.pt')
+    assert run(tmp_path / 'b', '--steps', '4', '--sample-every', '0', '--resume', other) == 2
+    assert "holds another run's checkpoint" in _stderr_line(capsys)
+    assert (tmp_path / 'b' / 'run' / 'ckpt.pt').read_bytes() == before
+
+
+def test_a_fresh_run_sets_aside_metrics_left_without_a_checkpoint(tmp_path):
+    (tmp_path / 'run').mkdir()
+    (tmp_path / 'run' / 'metrics.jsonl').write_text('{"left": "by a run that died before its checkpoint"}\n')
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    assert 'left' in (tmp_path / 'run' / 'metrics.jsonl.1').read_text()
+    assert 'config' in metrics(tmp_path)[0] and not any('left' in row for row in metrics(tmp_path))
+
+
+def test_resume_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
+    torch.save({'weights': torch.zeros(1)}, tmp_path / 'other.pt')
+    assert run(tmp_path, '--steps', '2', '--resume', str(tmp_path / 'other.pt')) == 2
+    assert 'other.pt' in _stderr_line(capsys)
+
+
 def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys):
     def disk_full(*args, **kwargs):
         raise OSError(28, 'No space left on device')
     monkeypatch.setattr(train, 'write_sample_grid', disk_full)
     assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
-    out = capsys.readouterr().out
-    assert out.count('could not write the sample grid') == 2 and 'samples in' not in out
+    captured = capsys.readouterr()
+    assert captured.err.count('could not write the sample grid') == 2 and 'samples in' not in captured.out
     assert load_ckpt(tmp_path)['step'] == 24
 
 
@@ -489,7 +541,7 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
     monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
     # 12 steps per epoch: a row, a checkpoint and a grid at every epoch's end.
     assert run(tmp_path, '--epochs', '3', '--log-every', '12', '--ckpt-every', '12') == 0
-    rows = [row for row in metrics(tmp_path) if 'step' in row]
+    rows = [row for row in metrics(tmp_path) if row.get('kind') == 'train']
     assert [row['step'] for row in rows] == [12, 24, 36]
     assert 0 < rows[0]['first_step_s'] < 1000 and 'first_step_s' not in rows[1]
     implied = [(11 if i == 0 else 12) * 8 / row['img_per_s'] for i, row in enumerate(rows)]  # first step apart
@@ -541,3 +593,74 @@ def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
     assert 'UNet version 1' in _stderr_line(capsys)
     assert sample.cli(['--ckpt', str(path), '--num', '1', '--device', 'cpu', '--out', str(tmp_path / 's')]) == 2
     assert 'retrain' in _stderr_line(capsys)
+
+
+# ----------------------------------------------------------------------------- evaluation during training
+
+EVAL = ['--eval-samples', '8', '--eval-bpd-images', '12', '--eval-bpd-timesteps', '3', '--sample-every', '0']
+
+
+def eval_rows(tmp_path):
+    return [row for row in metrics(tmp_path) if row.get('kind') == 'eval']
+
+
+def test_evaluations_at_image_counts_and_across_a_resume(tmp_path, monkeypatch, shapes_fid_dir):
+    import sample
+    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    common = ['--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path)]
+    assert run(tmp_path, *common, '--steps', '7') == 0
+    assert run(tmp_path, *common, '--steps', '12', '--resume', 'auto') == 0
+    rows = eval_rows(tmp_path)
+    # Batch 8: the first steps at or past 20, 40, 60 and 80 images are 3, 5, 8 and 10.
+    assert [(r['step'], r['images_seen']) for r in rows] == [(3, 24), (5, 40), (8, 64), (10, 80)]
+    for row in rows:
+        assert row['bpd'] > 0 and row['bpd_stderr'] > 0 and row['bpd_images'] == 12
+        assert row['bpd_model_calls_per_image'] == 4 and row['fid'] > 0 and row['fid_samples'] == 8
+    hours = [r['train_hours'] for r in rows]
+    assert hours == sorted(hours) and hours[0] > 0  # training time, counted on across the resume
+    from PIL import Image
+    with Image.open(tmp_path / 'run' / 'curves.png') as image:
+        assert image.size[0] > 600 and image.size[1] > 200  # three panels: losses, bits/dim, FID
+
+
+def test_fid_during_training_is_sample_pys_fid(tmp_path, monkeypatch, shapes_fid_dir):
+    import sample
+    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    data_dir = shapes_fid_dir(tmp_path)
+    assert run(tmp_path, '--steps', '12', '--eval-every', '96', *EVAL, '--data-dir', data_dir) == 0
+    (row,) = eval_rows(tmp_path)  # at step 12, on the EMA that the checkpoint holds
+    result = sample.main(sample.SampleConfig(ckpt=str(tmp_path / 'run' / 'ckpt.pt'), num=8, batch_size=8, steps=2,
+                                             device='cpu', fid=True, fid_data='shapes', data_dir=data_dir,
+                                             out=str(tmp_path / 'samples'), format='npz'))
+    assert row['fid'] == pytest.approx(result['fid'], rel=1e-4)  # features kept in float32 between ranks
+
+
+def test_offline_evaluation_leaves_out_fid_with_one_warning(tmp_path, monkeypatch, capsys):
+    import sample
+
+    def offline(weights, device):
+        raise train.ConfigError('FID needs the InceptionV3 weights, and downloading them failed')
+    monkeypatch.setattr(sample, 'inception_extractor', offline)
+    assert run(tmp_path, '--steps', '10', '--eval-every', '40', *EVAL) == 0
+    assert capsys.readouterr().err.count('FID is left out of the evaluations') == 1
+    rows = eval_rows(tmp_path)
+    assert len(rows) == 2 and all('fid' not in r and r['bpd'] > 0 for r in rows)
+
+
+def test_an_evaluation_cut_by_a_stop_is_owed_to_the_resumed_run(tmp_path, monkeypatch, shapes_fid_dir):
+    import sample
+    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    step_once = train.train_step
+
+    def step_then_sigterm_at_3(run, x0, step):
+        loss = step_once(run, x0, step)
+        if step == 2 and not run.cfg.resume:  # the step that makes 3, where an evaluation is due
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(train, 'train_step', step_then_sigterm_at_3)
+    common = ['--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path)]
+    assert run(tmp_path, *common, '--steps', '6') == 0
+    assert load_ckpt(tmp_path)['step'] == 3 and load_ckpt(tmp_path)['eval_owed'] and not eval_rows(tmp_path)
+    assert run(tmp_path, *common, '--steps', '6', '--resume', 'auto') == 0
+    assert [row['step'] for row in eval_rows(tmp_path)] == [3, 5]  # the owed one first, at the step it was due
+    assert not load_ckpt(tmp_path)['eval_owed']
