@@ -839,6 +839,7 @@ def write_curves(metrics_path: str, png_path: str):
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     with open(metrics_path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     train_rows = [r for r in rows if r.get('kind') == 'train']
@@ -862,6 +863,8 @@ def write_curves(metrics_path: str, png_path: str):
                         capsize=3)
         ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)'}[name])
         ax.set_xlabel('training images seen')
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
         ax.grid(alpha=0.3)
         add_hours_axis(ax, rows)
     fig.tight_layout()
@@ -887,6 +890,8 @@ def add_hours_axis(ax, rows: list):
     top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, hours),
                                                lambda h: np.interp(h, hours, images)))
     top.set_xlabel('training hours', fontsize=8)
+    import matplotlib.ticker
+    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
 
 
 def synchronize(device: torch.device):

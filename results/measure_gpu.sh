@@ -11,7 +11,7 @@
 #   profile   torch.profiler of the fastest default-compile row, and sampling speed
 #   gputests  tests/test_gpu.py and a short train.py run (img/s as train.py logs it)
 #   autotune  the compile max-autotune row without CUDA graphs (minutes of autotuning)
-#   graphs    the compile max-autotune + CUDA graphs row (autotunes again: no cache survives a call)
+#   graphs    the compile max-autotune + CUDA graphs row (autotunes again: no cache survives between commands)
 #   quality   the equivalence check: baseline vs all default speed-ups, 600 steps
 #   loaders   images/s of each data path beside the step's consumption
 #   sweep     batch sizes 128, 512 and 2048 around the fastest default-compile row
@@ -60,7 +60,7 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
 ' "${PINNED[@]}"
   common=(--device cuda --data-dir "$scratch/data")
   preset=ddpm-cifar10; small_preset=small; small_rows=$DEFAULT_ROWS
-  sweep_values=128,512,2048  # each size compiles anew: three fit in one call
+  sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
 fi
 

@@ -124,6 +124,20 @@ def test_image_folder_errors_name_the_file(tmp_path):
         data.load_dataset('folder', str(tmp_path / 'bad'), 16)
 
 
+def test_worker_processes_decode_the_same_images_and_find_the_first_broken_file(tmp_path, monkeypatch):
+    write_image_folder(tmp_path / 'ok', count=12)
+    dataset = data.ImageFolderDataset(str(tmp_path / 'ok'), 16)
+    one_process = dataset.to_tensor(progress=False)
+    monkeypatch.setattr(data, 'PARALLEL_FROM', 1)  # large-set path on a small set
+    assert torch.equal(dataset.to_tensor(progress=False), one_process)
+    assert torch.equal(one_process[5], dataset[5])  # in file order
+    write_image_folder(tmp_path / 'bad', count=12)
+    for name in ('part1/img7.png', 'part2/img8.png'):
+        (tmp_path / 'bad' / name).write_text('not an image')
+    with pytest.raises(data.DataError, match='img7.png'):  # the first broken file in sorted order
+        data.load_dataset('folder', str(tmp_path / 'bad'), 16)
+
+
 def test_truncated_image_is_reported_when_decoded(tmp_path):
     write_image_folder(tmp_path, count=2)
     path = next(tmp_path.rglob('*.png'))

@@ -33,6 +33,27 @@ def load_ckpt(tmp_path):
 
 # ----------------------------------------------------------------------------- the step, against closed forms
 
+def test_defaults_are_the_papers_recipe():
+    cpu = torch.device('cpu')
+    paper = train.resolve_defaults(train.TrainConfig(), cpu)
+    assert (paper.lr, paper.warmup, paper.batch_size, paper.grad_clip, paper.ema_decay, paper.dropout) == \
+        (2e-4, 5000, 128, 1.0, 0.9999, 0.1)
+    tiny = train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu)
+    assert (tiny.lr, tiny.warmup, tiny.batch_size, tiny.dropout) == (2e-3, 50, 32, 0.0)
+    assert train.resolve_defaults(train.TrainConfig(preset='tiny', dropout=0.3, lr=1e-3), cpu).dropout == 0.3
+
+
+def test_seed_initialises_the_network_as_torch_manual_seed_does():
+    # --seed S gives the weights of torch.manual_seed(S); UNet(config), whatever the loader does.
+    import model as unet
+    cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
+                                                   seed=3, batch_size=8), torch.device('cpu'))
+    built = train.build_run(cfg, torch.device('cpu'), progress=False).model
+    torch.manual_seed(3)
+    reference = unet.UNet(train.model_config_of(cfg))
+    assert all(torch.equal(t, reference.state_dict()[k]) for k, t in built.state_dict().items())
+
+
 def test_learning_rate_warmup_closed_form():
     cfg = train.TrainConfig(lr=2e-4, warmup=5000)
     # The k-th optimizer update (k = step + 1) uses lr * min(1, k / warmup).
@@ -526,9 +547,10 @@ def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys):
     assert load_ckpt(tmp_path)['step'] == 24
 
 
-def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, monkeypatch):
-    # Grids and checkpoints that take 1000 s of a fake clock: had they been counted, the logged
-    # img/s would imply over 1000 s per interval.
+def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, monkeypatch, shapes_fid_dir):
+    # Grids, checkpoints, the FID reference statistics and evaluations that take 1000 s of a fake
+    # clock: had they been counted, the logged img/s would imply over 1000 s per interval.
+    import sample
     offset, real_clock = [0.0], time.perf_counter
     monkeypatch.setattr(time, 'perf_counter', lambda: real_clock() + offset[0])
 
@@ -539,11 +561,25 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
         return wrapper
     monkeypatch.setattr(train, 'write_sample_grid', slow(train.write_sample_grid))
     monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
-    # 12 steps per epoch: a row, a checkpoint and a grid at every epoch's end.
-    assert run(tmp_path, '--epochs', '3', '--log-every', '12', '--ckpt-every', '12') == 0
+    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    monkeypatch.setattr(sample, 'reference_statistics', slow(sample.reference_statistics))
+    monkeypatch.setattr(sample, 'bits_per_image', slow(sample.bits_per_image))
+    step_once, first = train.train_step, [True]
+
+    def first_step_compiles(*args):  # the first step of a process takes 1000 s, as a compilation may
+        if first[0]:
+            offset[0] += 1000.0
+            first[0] = False
+        return step_once(*args)
+    monkeypatch.setattr(train, 'train_step', first_step_compiles)
+    # 12 steps per epoch: a row, a checkpoint and a grid at every epoch's end; an evaluation every 2 epochs.
+    assert run(tmp_path, '--epochs', '3', '--log-every', '12', '--ckpt-every', '12', '--eval-every', '192',
+               *EVAL[:-2], '--data-dir', shapes_fid_dir(tmp_path)) == 0
+    assert [row['step'] for row in eval_rows(tmp_path)] == [24]
+    assert eval_rows(tmp_path)[0]['train_hours'] * 3600 < 100
     rows = [row for row in metrics(tmp_path) if row.get('kind') == 'train']
     assert [row['step'] for row in rows] == [12, 24, 36]
-    assert 0 < rows[0]['first_step_s'] < 1000 and 'first_step_s' not in rows[1]
+    assert 1000 < rows[0]['first_step_s'] < 1100 and 'first_step_s' not in rows[1]
     implied = [(11 if i == 0 else 12) * 8 / row['img_per_s'] for i, row in enumerate(rows)]  # first step apart
     assert max(implied) < 100
     assert rows[-1]['train_hours'] * 3600 == pytest.approx(sum(implied), rel=1e-6)
