@@ -54,6 +54,20 @@ def test_seed_initialises_the_network_as_torch_manual_seed_does():
     assert all(torch.equal(t, reference.state_dict()[k]) for k, t in built.state_dict().items())
 
 
+def test_ema_samples_and_evaluates_without_dropout(tmp_path):
+    # The EMA is never trained: grids and evaluations must not draw dropout masks from it.
+    cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
+                                                   batch_size=8, dropout=0.5, num_samples=4, sample_steps=3),
+                                 torch.device('cpu'))
+    ema = train.build_run(cfg, torch.device('cpu'), progress=False).ema
+    with torch.no_grad():
+        for p in ema.parameters():  # weights that make dropout visible (the untrained output conv is zero)
+            p.add_(0.05 * torch.randn_like(p))
+    for name in ('a.png', 'b.png'):
+        train.write_sample_grid(ema, diffusion.make_schedule(1000), cfg, torch.device('cpu'), str(tmp_path / name))
+    assert (tmp_path / 'a.png').read_bytes() == (tmp_path / 'b.png').read_bytes()
+
+
 def test_learning_rate_warmup_closed_form():
     cfg = train.TrainConfig(lr=2e-4, warmup=5000)
     # The k-th optimizer update (k = step + 1) uses lr * min(1, k / warmup).
