@@ -256,7 +256,7 @@ def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch
     unbiased Monte Carlo estimate from `timesteps` timesteps; {'total', 'prior', 'decoder'} (N,)."""
     sched = sched.to(device)
     parts = {'total': [], 'prior': [], 'decoder': []}
-    calls = timesteps + 1 if timesteps else sched.num_steps
+    calls = model_calls_per_image(timesteps, sched.num_steps)
     for batch in tqdm(images.split(batch_size), desc=f'bits/dim ({calls} model calls per image)', leave=False,
                       disable=not progress):
         x0 = batch.to(device).float() / 127.5 - 1
@@ -270,6 +270,12 @@ def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch
     return {key: torch.cat(value) for key, value in parts.items()}
 
 
+def model_calls_per_image(timesteps: int, num_steps: int) -> int:
+    """The full bound calls the model once per timestep; the estimate once per drawn timestep
+    plus once for the decoder term."""
+    return timesteps + 1 if timesteps else num_steps
+
+
 def summarise_bits(per_image: dict, timesteps: int, num_steps: int) -> dict:
     """The mean bits/dim and its standard error over images (which, for the Monte Carlo
     estimate, holds the spread of the timestep draws too)."""
@@ -277,7 +283,7 @@ def summarise_bits(per_image: dict, timesteps: int, num_steps: int) -> dict:
     return {'bits_per_dim': total.mean().item(),
             'stderr': (total.std() / math.sqrt(len(total))).item() if len(total) > 1 else None,
             'prior': per_image['prior'].mean().item(), 'decoder': per_image['decoder'].mean().item(),
-            'images': len(total), 'model_calls_per_image': timesteps + 1 if timesteps else num_steps,
+            'images': len(total), 'model_calls_per_image': model_calls_per_image(timesteps, num_steps),
             'estimate': f'Monte Carlo, {timesteps} stratified timesteps' if timesteps else 'full bound'}
 
 

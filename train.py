@@ -830,7 +830,7 @@ def gather_to_rank0(values: tuple, run: Run, group) -> list:
         return [[item] for item in values]
     gathered = [None] * run.world_size if run.rank == 0 else None
     dist.gather_object(values, gathered, dst=0, group=group)
-    return [list(items) for items in zip(*gathered)] if run.rank == 0 else [None, None]
+    return [list(items) for items in zip(*gathered)] if run.rank == 0 else [None] * len(values)
 
 
 def write_curves(metrics_path: str, png_path: str):
