@@ -1,10 +1,17 @@
 """The speedup table: one row per optimisation, each adding its change to the row above.
 
-    python benchmark.py                        # the ladder for ddpm-cifar10 on this GPU
-    python benchmark.py --preset small         # the ~9M UNet of the reference table
-    python benchmark.py --profile              # torch.profiler trace + top ops of the best row
-    python benchmark.py --sweep batch          # or workers | amp | compile, with a plot
-    python benchmark.py --loader-only          # images/s each data path delivers
+One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir (write_report):
+
+    command                              mode        what it measures
+    python benchmark.py                  ladder      every row: ms/iter, img/s, TFLOP/s, MFU; the diffusers
+                                                     peer beside our fastest row; then sampling speed
+    python benchmark.py --profile        profile     torch.profiler of the fastest row: a trace, top kernels
+    python benchmark.py --sweep batch    sweep       one setting (batch|workers|amp|compile) around that row
+    python benchmark.py --loader-only    loaders     images/s each data path delivers vs the step's consumption
+    python benchmark.py --quality        quality     held-out loss after N steps: baseline vs all speed-ups
+    python benchmark.py --sampling-only  sampling    DDIM-50 and DDPM-1000: img/s, MFU, time for 50k images
+
+    python benchmark.py --preset small                       # the ~9M UNet of the reference table
     python benchmark.py --device cpu --preset tiny --quick   # the CPU smoke run the tests use
 
 An iteration is what train.py runs per step: data, forward, backward, gradient clipping,
@@ -27,10 +34,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 import data
+import sample
 import train
-from data import flag
+from cli import (ConfigError, atomic_open, autocast, brief, check_ranges, check_writable, flag, parse_config,
+                 pick_device, pyplot, run_main, save_figure, synchronize)
 from model import (A100_PEAK_TFLOPS, PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, diffusers_config,
-                   get_config, gpu_peak_key, peak_tflops)
+                   get_config, gpu_peak_key, peak_tflops, precision_of)
 
 
 @dataclass
@@ -41,27 +50,29 @@ class BenchConfig:
     dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10 or shapes',
                          choices=('auto', 'cifar10', 'shapes'))
     data_dir: str = flag('./data', 'where CIFAR-10 is looked for')
-    num_images: int = flag(50000, 'images in the shapes set (CIFAR-10 has 50000)')
+    num_images: int = flag(50000, 'images in the shapes set (CIFAR-10 has 50000)', at_least=1)
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
-    batch_size: int = flag(128, 'batch size of the baseline row (the paper\'s)')
-    big_batch: int = flag(512, 'batch size from the "scale up batch size" row on')
+    batch_size: int = flag(128, 'batch size of the baseline row (the paper\'s)', at_least=1)
+    big_batch: int = flag(512, 'batch size from the "scale up batch size" row on', at_least=1)
     amp_dtype: str = flag('bf16', 'precision of the mixed-precision rows', choices=('bf16', 'fp16'))
-    num_workers: int = flag(4, 'DataLoader workers of the torch-loader rows')
-    warmup: int = flag(10, 'untimed iterations after the first (compiling) one')
-    iters: int = flag(50, 'timed iterations per row; the median is reported')
+    num_workers: int = flag(4, 'DataLoader workers of the torch-loader rows', at_least=0)
+    warmup: int = flag(10, 'untimed iterations after the first (compiling) one', at_least=0)
+    iters: int = flag(50, 'timed iterations per row; the median is reported', at_least=1)
     rows: str = flag('', 'comma-separated substrings: run only the rows whose names contain one')
     from_row: str = flag('', 'the ladder row that --profile, --quality, --loader-only, --sweep and --sampling-only '
                              'start from (a substring of its name; default: the fastest row in the default compile '
                              'mode, which is what train.py runs)')
     tf32: bool = flag(False, 'let the fp32 rows use TF32 tensor cores (then their MFU is against the TF32 peak); '
                              'off by default, so that fp32 is fp32 and compares with the reference table\'s 19.5')
-    stem: str = flag('', 'output file name stem (default: <gpu>-<preset>, plus the mode)')
+    stem: str = flag('', 'output file name stem, a plain name (default: <gpu>-<preset>, plus the mode)')
     peer: bool = flag(True, "time diffusers' UNet2DModel of the same architecture, where installed")
-    peak_tflops: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the mixed-precision rows (overrides the table)')
-    peak_tflops_fp32: typing.Optional[float] = flag(None, 'dense peak TFLOP/s of the fp32/TF32 rows (overrides the table)')
-    quick: bool = flag(False, 'a smoke run: few iterations, small batches; on CPU torch.compile uses '
-                               'the eager backend (dynamo traces the model, the graph runs eagerly: inductor\'s C++ build '
-                               'takes minutes per graph); sampling takes DDIM-10 and DDPM over T=100')
+    peak_tflops: float | None = flag(None, 'dense peak TFLOP/s of the mixed-precision rows (overrides the table)',
+                                     positive=True)
+    peak_tflops_fp32: float | None = flag(None, 'dense peak TFLOP/s of the fp32/TF32 rows (overrides the table)',
+                                          positive=True)
+    quick: bool = flag(False, 'a smoke run: few iterations, small batches; on CPU torch.compile uses the eager '
+                              'backend (dynamo traces the model, the graph runs eagerly: inductor\'s C++ build takes '
+                              'minutes per graph); sampling takes DDIM-10 and DDPM over T=100')
     profile: bool = flag(False, 'profile the best row: Chrome/Perfetto trace, top ops table and chart')
     sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
                        choices=('', 'batch', 'workers', 'amp', 'compile'))
@@ -70,15 +81,15 @@ class BenchConfig:
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
     sampling: bool = flag(True, 'after the ladder, time DDIM-50 and DDPM-1000 sampling (its own table)')
     sampling_only: bool = flag(False, 'time only the sampling (DDIM-50, DDPM-1000), no training rows')
-    sample_batch: int = flag(1000, 'images per sampling batch')
+    sample_batch: int = flag(1000, 'images per sampling batch', at_least=1)
     sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
-                                    choices=('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs'))
+                                    choices=train.COMPILE_MODES)
     quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
                                 'speed-ups (same seed, data, batch) and compare held-out losses')
-    steps: int = flag(2000, 'training steps of each --quality run')
+    steps: int = flag(2000, 'training steps of each --quality run', at_least=1)
     out_dir: str = flag('', 'where the JSON, Markdown and PNG go (default: results/ on a GPU, runs/benchmark/ on '
                             'a CPU, so that smoke runs stay out of the committed results)')
-    seed: int = flag(0, 'seed')
+    seed: int = flag(0, 'seed', at_least=0, at_most=2 ** 32 - 1)
 
 
 @dataclass
@@ -116,7 +127,7 @@ def ladder(bench: BenchConfig, device: torch.device) -> list:
     return rows
 
 
-def skip_reason(row: Row, device: torch.device) -> typing.Optional[str]:
+def skip_reason(row: Row, device: torch.device) -> str | None:
     if row.loader == 'ffcv':
         return data.ffcv_missing_reason()
     if row.amp == 'fp16' and device.type != 'cuda':
@@ -158,11 +169,6 @@ class Clock:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def synchronize(device: torch.device):
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
 
 
 def time_training(run: train.Run, bench: BenchConfig) -> dict:
@@ -214,7 +220,7 @@ def peak_for(precision: str, device: torch.device, bench: BenchConfig):
 
 def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
     """Adds throughput, TFLOP/s and MFU (device peak and A100 peak) to a timing."""
-    precision = train.precision_name(row_cfg, device)
+    precision = precision_of(row_cfg.amp, device)
     img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
     tflops = img_per_s * flops['train'] / 1e12
     peak = peak_for(precision, device, bench)
@@ -224,7 +230,7 @@ def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, devic
             'mfu': tflops / peak if peak else None, 'peak_tflops': peak, 'mfu_a100': tflops / a100_peak}
 
 
-def run_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
+def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
     """One row's timing; a row that cannot run here is 'skipped', one that raises is 'failed'
     (with the reason): the run goes on either way."""
     entry = {'name': row.name, 'batch_size': row.batch_size, 'settings': asdict(row)}
@@ -240,9 +246,9 @@ def run_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=No
         run = build_row_run(row_cfg, bench, device, dataset, make_model)
         result = describe(time_training(run, bench), row_cfg, bench, device, flops)
     except torch.cuda.OutOfMemoryError as error:
-        return {**entry, 'failed': f'out of memory ({data.brief(error, 200)})'}
+        return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
     except Exception as error:  # a compile mode or a peer that breaks costs its row, not the table
-        return {**entry, 'failed': data.brief(error, 300)}
+        return {**entry, 'failed': brief(error, 300)}
     finally:
         run = None
         release(device)
@@ -284,7 +290,7 @@ class DiffusersUNet(torch.nn.Module):
         return self.unet(x, t).sample
 
 
-def diffusers_missing_reason() -> typing.Optional[str]:
+def diffusers_missing_reason() -> str | None:
     try:
         import diffusers  # noqa: F401
     except ImportError:
@@ -292,7 +298,7 @@ def diffusers_missing_reason() -> typing.Optional[str]:
     return None
 
 
-def run_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """diffusers under the settings of our fastest row (compile, precision, channels-last, fused
     Adam, data path, batch); its attention is its own default, SDPA. Our fastest row is timed
     again right after it, so that the ratio compares two neighbouring timings, not a drift of
@@ -301,12 +307,12 @@ def run_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name,
     if reason:
         return {'name': 'diffusers UNet2DModel', 'skipped': reason}
     row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', attention='sdpa')
-    result = run_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)
+    result = measure_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)
     from diffusers import __version__ as version
     result['diffusers'] = version
     if 'img_per_s' not in result:
         return result
-    again = run_row(best, bench, device, dataset, dataset_name, flops)
+    again = measure_row(best, bench, device, dataset, dataset_name, flops)
     result.update(ours=best.name, ours_first={k: best_result[k] for k in ('ms_per_iter', 'img_per_s')},
                   ratio_first_timing=best_result['img_per_s'] / result['img_per_s'])
     if 'img_per_s' in again:
@@ -354,8 +360,9 @@ def fmt(value, spec: str, missing: str = 'n/a') -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows: list, peer: typing.Optional[dict]) -> str:
-    lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup | Peak mem (GB) |',
+def markdown_table(rows: list, peer: dict | None) -> str:
+    lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup '
+             '| Peak mem (GB) |',
              '| :- | -: | :- | -: | -: | -: | -: | -: | -: | -: |']
     for r in rows + ([peer] if peer else []):
         if 'skipped' in r or 'failed' in r:
@@ -372,12 +379,10 @@ def markdown_table(rows: list, peer: typing.Optional[dict]) -> str:
 
 def summary_lines(meta: dict, rows: list, peer) -> str:
     flops = meta['flops_per_image']
-    lines = [f"{meta['preset']} at {meta['image_size']}x{meta['image_size']} on {meta['device']}, "
-             f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}",
-             f"FLOPs per image, forward+backward: {flops['train'] / 1e9:.2f} GFLOP ({flops['method']}); "
-             f"torchinfo MACs x 2 x 3: {flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, "
-             f"no attention). TFLOP/s and MFU below use the first.",
-             f"Command: {meta['command']}"]
+    lines = [f"{meta['preset']} at {meta['image_size']}x{meta['image_size']}. FLOPs per image, forward+backward: "
+             f"{flops['train'] / 1e9:.2f} GFLOP ({flops['method']}); torchinfo MACs x 2 x 3: "
+             f"{flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, no attention). TFLOP/s and "
+             f"MFU below use the first."]
     if peer and peer.get('ratio'):
         again = peer['ours_again']
         lines.append(f"Our fastest row ({peer['ours']}), timed again right after the peer: {again['img_per_s']:,.0f} "
@@ -385,14 +390,6 @@ def summary_lines(meta: dict, rows: list, peer) -> str:
                      f"{peer.get('diffusers', '')} UNet2DModel (the same function) under the same settings "
                      f"(first timing of our row: {peer['ratio_first_timing']:.2f}x).")
     return '\n'.join(lines)
-
-
-def pyplot():
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
-    return plt
 
 
 def bar_chart(rows: list, peer, title: str, path: str):
@@ -409,34 +406,35 @@ def bar_chart(rows: list, peer, title: str, path: str):
     ax.set_xlabel('training images per second (higher is better)')
     ax.set_xlim(0, max(values) * 1.35 if values else 1)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
-def save_report(out_dir: str, stem: str, result: dict, markdown: str) -> str:
-    """Writes OUT_DIR/STEM.json and .md, each by a rename (a run killed mid-write leaves the
-    previous version whole); returns the path of the .png that goes beside them."""
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, stem)
-    for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown + '\n')):
-        with open(path + ext + '.tmp', 'w') as f:
+def write_report(bench: BenchConfig, stem: str, result: dict, title: str, body: str, notes: str = '') -> str:
+    """Every mode's report: OUT_DIR/STEM.json (the result) and STEM.md (the title; what ran it:
+    device, torch, date, commit; `notes`; the command; the `body`), each written by a rename, so
+    a run killed mid-write leaves the previous version whole. Returns the path of the .png that
+    goes beside them (each mode draws its own)."""
+    path = os.path.join(bench.out_dir, stem)
+    markdown = (f"# {title}\n\n{result['device']}, torch {result['torch']}, {result['date']}, commit "
+                f"{result['commit']}{notes}\n\nCommand: `{result['command']}`\n\n{body}\n")
+    for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown)):
+        with atomic_open(path + ext) as f:
             f.write(text)
-        os.replace(path + ext + '.tmp', path + ext)
     return path + '.png'
 
 
 def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig, final: bool = True) -> dict:
-    """The ladder's JSON and Markdown, rewritten after every row (final=False: quietly, with
-    'complete': false in the JSON), so that a run killed at a time limit keeps its rows; the
-    chart and the printed table at the end."""
+    """The ladder's report, rewritten after every row (final=False: quietly, with 'complete':
+    false in the JSON), so that a run killed at a time limit keeps its rows; the chart and the
+    printed table at the end."""
     result = {**meta, 'complete': final, 'rows': rows, 'peer': peer}
     table = markdown_table(rows, peer)
     if meta.get('sampling'):
-        table += '\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n' + sampling_table(meta['sampling'])
+        table += ('\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n'
+                  + sampling_table(meta['sampling']))
     status = '' if final else '\n\n(incomplete: the run was still going, or was stopped, when this was written)'
-    png = save_report(bench.out_dir, stem, result, f"# Training speed: {meta['preset']} on {meta['device']}\n\n"
-                                                   f"{summary_lines(meta, rows, peer)}\n\n{table}{status}")
+    png = write_report(bench, stem, result, f"Training speed: {meta['preset']} on {meta['device']}",
+                       table + status, notes='\n\n' + summary_lines(meta, rows, peer))
     if final:  # the chart once, at the end (matplotlib costs about a second)
         bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
         print(table)
@@ -451,7 +449,7 @@ def prepare(bench: BenchConfig, need_data: bool = True):
     """(the bench config as --quick shrinks it, device, data set name, data set, FLOP counts).
     fp32 rows run true fp32 unless --tf32: TF32 convolutions (PyTorch's default) are 8x the
     fp32 peak, and would make the fp32 rows' MFU against 19.5 TFLOP/s read several hundred %."""
-    device = train.pick_device(bench.device, 0)
+    device = pick_device(bench.device)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
     if bench.quick:
         bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2),
@@ -508,7 +506,7 @@ def run_ladder(bench: BenchConfig) -> dict:
     stem, results, peer = output_stem(bench, device), [], None
     for index, row in enumerate(rows, 1):
         print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
-        results.append(run_row(row, bench, device, dataset, dataset_name, flops))
+        results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
         add_speedups(results)
         print(row_line(index, len(rows), results[-1]), flush=True)
         write_outputs(stem, meta, results, peer, bench, final=False)
@@ -516,7 +514,7 @@ def run_ladder(bench: BenchConfig) -> dict:
     if bench.peer and measured:
         fastest = max(measured, key=lambda pair: pair[1]['img_per_s'])
         print('peer: diffusers UNet2DModel, then our fastest row again ...', flush=True)
-        peer = run_peer(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
+        peer = measure_peer(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
         add_speedups([results[0], peer])
         print(row_line(len(rows) + 1, len(rows) + 1, peer), flush=True)
         write_outputs(stem, meta, results, peer, bench, final=False)
@@ -537,7 +535,8 @@ def sampling_model(bench: BenchConfig, device: torch.device):
     model = UNet(config).to(device).eval().requires_grad_(False)
     if cuda:
         model = model.to(memory_format=torch.channels_last)
-        return torch.compile(model, mode=bench.sample_compile_mode), 'bf16', f'compile {bench.sample_compile_mode}, channels-last'
+        settings = f'compile {bench.sample_compile_mode}, channels-last'
+        return torch.compile(model, mode=bench.sample_compile_mode), 'bf16', settings
     if bench.quick:
         return model, 'fp32', 'eager (--quick on CPU)'
     return torch.compile(model), 'fp32', 'compile default'
@@ -568,18 +567,18 @@ def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typin
     batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
     shape = (batch, 3, bench.image_size, bench.image_size)
     generator = torch.Generator(device).manual_seed(bench.seed)
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == 'bf16')
-    for name, steps, repeats, sample in [
+    amp = 'bf16' if precision == 'bf16' else 'off'
+    for name, steps, repeats, draw_batch in [
             (f'DDIM-{ddim_steps}', ddim_steps, 1 if bench.quick else 3,
              lambda: ddim_sample(model, sched, shape, ddim_steps, generator=generator, device=device)),
             (f'DDPM-{num_steps}', num_steps, 1,
              lambda: ddpm_sample(model, sched, shape, generator, device))]:
         print(f'sampling: {name} ...', flush=True)
         try:
-            with autocast:
-                first, seconds = time_sampler(sample, device, repeats)
+            with autocast(amp, device):
+                first, seconds = time_sampler(draw_batch, device, repeats)
         except Exception as error:  # a sampler that fails here is reported, not fatal to the table
-            yield {'name': name, 'error': one_line_error(error)}
+            yield {'name': name, 'error': brief(error, 300)}
             continue
         tflops = batch * steps * flops['forward'] / seconds / 1e12
         peak = peak_for(precision, device, bench)
@@ -597,19 +596,14 @@ def run_sampling_only(bench: BenchConfig) -> dict:
 
     def report(final: bool) -> dict:
         result = {**meta, 'complete': final, 'sampling': rows}
-        save_report(bench.out_dir, stem, result, f"# Sampling speed: {meta['preset']} on {meta['device']}\n\n"
-                                                 f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\n"
-                                                 f"Command: {meta['command']}\n\n{sampling_table(rows)}")
+        write_report(bench, stem, result, f"Sampling speed: {meta['preset']} on {meta['device']}",
+                     sampling_table(rows))
         return result
     for row in run_sampling(bench, device, flops):
         rows.append(row)
         report(final=False)
     print(sampling_table(rows))
     return report(final=True)
-
-
-def one_line_error(error: Exception) -> str:
-    return data.brief(error, 300)
 
 
 def sampling_table(rows: list) -> str:
@@ -640,11 +634,11 @@ def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_nam
     seconds = time.perf_counter() - start
     # Evaluated the same way for every row: fp32, eager, on the same images, timesteps and noise.
     eval_cfg = dataclasses.replace(row_cfg, amp='off', channels_last=False)
-    heldout = train.make_heldout(eval_cfg, device, run.sched.num_steps)
-    losses = {'model': train.heldout_losses(run.model, run.sched, heldout, eval_cfg, device),
-              'ema': train.heldout_losses(run.ema, run.sched, heldout, eval_cfg, device)}
+    heldout = sample.make_heldout(eval_cfg, device, run.sched.num_steps)
+    losses = {'model': sample.heldout_losses(run.model, run.sched, heldout, eval_cfg, device),
+              'ema': sample.heldout_losses(run.ema, run.sched, heldout, eval_cfg, device)}
     release(device)
-    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': train.precision_name(row_cfg, device),
+    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg.amp, device),
             'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
             'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
 
@@ -673,8 +667,9 @@ def run_quality(bench: BenchConfig) -> dict:
                             'baseline_other_seed': compare(other_seed, base, weights)} for weights in ('model', 'ema')}
     # Agreement: the speed-ups move the held-out loss no more than changing the seed does,
     # or than two paired standard errors of the evaluation.
-    agree = {w: abs(c['all_speedups']['relative_difference']) <= max(abs(c['baseline_other_seed']['relative_difference']),
-                                                                    2 * c['all_speedups']['paired_stderr_relative'])
+    agree = {w: abs(c['all_speedups']['relative_difference'])
+             <= max(abs(c['baseline_other_seed']['relative_difference']),
+                    2 * c['all_speedups']['paired_stderr_relative'])
              for w, c in comparison.items()}
     meta = header(bench, device, flops, dataset_name)
     result = {**meta, 'steps': bench.steps, 'batch_size': bench.batch_size,
@@ -685,11 +680,7 @@ def run_quality(bench: BenchConfig) -> dict:
 
 
 def write_quality(result: dict, bench: BenchConfig, device: torch.device):
-    lines = [f"# Quality: {result['preset']}, {result['steps']} steps of batch {result['batch_size']} on "
-             f"{result['device']}", '', f"torch {result['torch']}, {result['date']}, commit {result['commit']}; "
-             f"held-out loss on {train.TrainConfig.heldout_size} fixed images, timesteps and noise, evaluated in fp32.", '',
-             f"Command: {result['command']}", '',
-             '| Run | Seed | Precision | train loss | held-out loss | held-out loss (EMA) | time (s) |',
+    lines = ['| Run | Seed | Precision | train loss | held-out loss | held-out loss (EMA) | time (s) |',
              '| :- | -: | :- | -: | -: | -: | -: |']
     for r in result['runs']:
         lines.append(f"| {r['name']} | {r['seed']} | {r['precision']} | {r['train_loss']:.5f} | "
@@ -699,10 +690,13 @@ def write_quality(result: dict, bench: BenchConfig, device: torch.device):
     for weights, c in result['comparison'].items():
         lines.append(f"| {weights} | {c['all_speedups']['relative_difference']:+.2%} | "
                      f"{c['all_speedups']['paired_stderr_relative']:.2%} | "
-                     f"{c['baseline_other_seed']['relative_difference']:+.2%} | {result['agree_within_noise'][weights]} |")
+                     f"{c['baseline_other_seed']['relative_difference']:+.2%} | "
+                     f"{result['agree_within_noise'][weights]} |")
     table = '\n'.join(lines)
-    os.makedirs(bench.out_dir, exist_ok=True)
-    save_report(bench.out_dir, bench.stem or f'quality-{device_slug(device)}-{result["preset"]}', result, table)
+    write_report(bench, bench.stem or f'quality-{device_slug(device)}-{result["preset"]}', result,
+                 f"Quality: {result['preset']}, {result['steps']} steps of batch {result['batch_size']} on "
+                 f"{result['device']}", table, notes=f"; held-out loss on {train.TrainConfig.heldout_size} fixed "
+                                                     f"images, timesteps and noise, evaluated in fp32.")
     print(table)
 
 
@@ -714,7 +708,7 @@ def start_row(bench: BenchConfig, device: torch.device) -> Row:
         runnable = [r for r in rows if not skip_reason(r, device)]
         named = [r for r in runnable if bench.from_row.lower() in r.name.lower()]
         if not named:
-            raise train.ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
+            raise ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
                                     f"{'; '.join(r.name for r in runnable)}")
         return named[0]
     # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
@@ -764,9 +758,12 @@ def profile_best_row(bench: BenchConfig) -> dict:
     for step in range(3):  # compile and warm up outside the profile
         train.train_step(run, next(stream), step)
     synchronize(device)
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == 'cuda' else [])
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == 'cuda':
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
     active = 3 if bench.quick else 10
-    with torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(wait=1, warmup=2, active=active)) as prof:
+    schedule = torch.profiler.schedule(wait=1, warmup=2, active=active)
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
         for step in range(3, 3 + 3 + active):
             train.train_step(run, next(stream), step)
             prof.step()
@@ -791,11 +788,7 @@ def profile_best_row(bench: BenchConfig) -> dict:
 
 def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
     total = result['total_ms_per_iter'] or 1.0
-    lines = [f"# Profile: {result['preset']}, {result['row']}, on {result['device']}", '',
-             f"torch {result['torch']}, {result['date']}, commit {result['commit']}; self time per iteration "
-             f"({'CPU ops' if result['device'].startswith('CPU') else 'kernels'}), mean of {result['active_iterations']} profiled "
-             f"iterations. Trace for chrome://tracing or ui.perfetto.dev: `{result['trace']}`.", '',
-             f"Command: {result['command']}", '', '| Category | ms/iter | share |', '| :- | -: | -: |']
+    lines = ['| Category | ms/iter | share |', '| :- | -: | -: |']
     for category, ms in sorted(result['categories'].items(), key=lambda kv: -kv[1]):
         lines.append(f'| {category} | {ms:.3f} | {ms / total:.1%} |')
     lines += ['', '| Op / kernel | Category | calls | ms/iter | share |', '| :- | :- | -: | -: | -: |']
@@ -804,7 +797,11 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
         lines.append(f"| `{name}` | {op['category']} | {op['calls']} | {op['ms_per_iter']:.3f} | "
                      f"{op['ms_per_iter'] / total:.1%} |")
     table = '\n'.join(lines)
-    png = save_report(bench.out_dir, stem, result, table)
+    what = 'CPU ops' if result['device'].startswith('CPU') else 'kernels'
+    png = write_report(bench, stem, result, f"Profile: {result['preset']}, {result['row']}, on {result['device']}",
+                       table, notes=f"; self time per iteration ({what}), mean of {result['active_iterations']} "
+                                    f"profiled iterations. Trace for chrome://tracing or ui.perfetto.dev: "
+                                    f"`{result['trace']}`.")
     plt = pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [1, 2]})
     cats = sorted(result['categories'].items(), key=lambda kv: kv[1])
@@ -817,9 +814,7 @@ def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
     right.set_xlabel('ms per iteration')
     right.set_title('top ops / kernels (self time)', fontsize=9)
     fig.suptitle(f"{result['preset']}, {result['row']}, {result['device']}, torch {result['torch']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    save_figure(fig, png, dpi=110)
     print(table)
 
 
@@ -848,14 +843,13 @@ def run_sweep(bench: BenchConfig) -> dict:
     results = []
     for row in sweep_rows(bench.sweep, best, bench, device):
         print(f'{row.name} ...', flush=True)
-        results.append(run_row(row, bench, device, dataset, dataset_name, flops))
+        results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
     add_speedups(results)  # relative to the sweep's first point
     meta = header(bench, device, flops, dataset_name)
     stem = output_stem(bench, device, f'sweep-{bench.sweep}')
     table = markdown_table(results, None)
-    png = save_report(bench.out_dir, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
-                      f"# Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}\n\n"
-                      f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}\n\nCommand: {meta['command']}\n\n{table}")
+    png = write_report(bench, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
+                       f"Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}", table)
     sweep_plot(results, bench.sweep, meta, png)
     print(table)
     return {**meta, 'rows': results}
@@ -875,12 +869,10 @@ def sweep_plot(results: list, kind: str, meta: dict, path: str):
         twin.set_ylabel('MFU (%)', color='tab:orange')
     ax.tick_params(axis='x', labelrotation=20, labelsize=8)
     ax.set_title(f"{meta['preset']}: sweep of {kind}, {meta['device']}, torch {meta['torch']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
-def time_loader(loader, batches: int, device: torch.device) -> float:
+def time_loader(loader, num_batches: int, device: torch.device) -> float:
     """Images per second a loader delivers to the device (the batch is consumed on the device)."""
     stream = (x for epoch in range(10 ** 6) for x in loader.epoch(epoch))
     checksum = torch.zeros((), device=device)
@@ -888,16 +880,16 @@ def time_loader(loader, batches: int, device: torch.device) -> float:
         checksum += next(stream).sum()  # warm-up: worker start, first epoch's order
     synchronize(device)
     start = time.perf_counter()
-    for _ in range(batches):
+    for _ in range(num_batches):
         checksum += next(stream)[:, :, 0, 0].sum()  # touch the batch on the device, cheaply
     synchronize(device)
-    return batches * loader.batch_size / (time.perf_counter() - start)
+    return num_batches * loader.batch_size / (time.perf_counter() - start)
 
 
 def run_loader_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     best = start_row(bench, device)
-    batch, batches = best.batch_size, (5 if bench.quick else 100)
+    batch, num_batches = best.batch_size, (5 if bench.quick else 100)
     paths = [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', None), ('ffcv', None)]
     results = []
     for kind, workers in paths:
@@ -914,17 +906,14 @@ def run_loader_only(bench: BenchConfig) -> dict:
         if kind == 'ffcv':
             name = f'FFCV ({loader.num_workers} threads)'
         results.append({'name': name, 'loader': kind, 'num_workers': workers,
-                        'img_per_s': time_loader(loader, batches, device)})
+                        'img_per_s': time_loader(loader, num_batches, device)})
         del loader
-    consumption = run_row(best, bench, device, dataset, dataset_name, flops)
+    consumption = measure_row(best, bench, device, dataset, dataset_name, flops)
     meta = header(bench, device, flops, dataset_name)
     result = {**meta, 'batch_size': batch, 'step_row': best.name, 'step_img_per_s': consumption.get('img_per_s'),
               'loaders': results}
     stem = output_stem(bench, device, 'loaders')
-    lines = [f"# Data paths: images/s delivered to {meta['device']} ({dataset_name}, batch {batch})", '',
-             f"torch {meta['torch']}, {meta['date']}, commit {meta['commit']}; the training step "
-             f"('{best.name}') consumes {fmt(result['step_img_per_s'], ',.0f')} img/s.", '',
-             f"Command: {meta['command']}", '', '| Loader | img/s | x the step\'s consumption |', '| :- | -: | -: |']
+    lines = ['| Loader | img/s | x the step\'s consumption |', '| :- | -: | -: |']
     for r in results:
         if 'skipped' in r:
             lines.append(f"| {r['name']} | skipped: {r['skipped']} | |")
@@ -932,7 +921,10 @@ def run_loader_only(bench: BenchConfig) -> dict:
             ratio = r['img_per_s'] / result['step_img_per_s'] if result['step_img_per_s'] else None
             lines.append(f"| {r['name']} | {r['img_per_s']:,.0f} | {fmt(ratio, '.1f')} |")
     table = '\n'.join(lines)
-    loader_plot(result, save_report(bench.out_dir, stem, result, table))
+    loader_plot(result, write_report(bench, stem, result, f"Data paths: images/s delivered to {meta['device']} "
+                                                          f"({dataset_name}, batch {batch})", table,
+                                     notes=f"; the training step ('{best.name}') consumes "
+                                           f"{fmt(result['step_img_per_s'], ',.0f')} img/s."))
     print(table)
     return result
 
@@ -949,71 +941,54 @@ def loader_plot(result: dict, path: str):
     ax.set_xscale('log')
     ax.set_xlabel('images per second delivered (log scale)')
     ax.set_title(f"data paths, {result['preset']}, {result['device']}, torch {result['torch']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
+
+
+# The modes besides the ladder: the flag that asks for each, and what runs it.
+MODES = {'profile': profile_best_row, 'sweep': run_sweep, 'loader_only': run_loader_only, 'quality': run_quality,
+         'sampling_only': run_sampling_only}
 
 
 def validate(bench: BenchConfig) -> BenchConfig:
-    """Every flag checked before any work (train.ConfigError, one line); fills --out-dir."""
-    device = train.pick_device(bench.device, 0)
-    for name in ('iters', 'batch_size', 'big_batch', 'num_images', 'sample_batch', 'steps'):
-        if getattr(bench, name) < 1:
-            raise train.ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(bench, name)}")
-    for name in ('warmup', 'num_workers'):
-        if getattr(bench, name) < 0:
-            raise train.ConfigError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(bench, name)}")
-    for name in ('peak_tflops', 'peak_tflops_fp32'):
-        if getattr(bench, name) is not None and not getattr(bench, name) > 0:
-            raise train.ConfigError(f"--{name.replace('_', '-')} must be positive, got {getattr(bench, name)}")
-    modes = [name for name in ('profile', 'sweep', 'loader_only', 'quality', 'sampling_only') if getattr(bench, name)]
+    """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
+    check_ranges(bench)
+    device = pick_device(bench.device)
+    modes = [name for name in MODES if getattr(bench, name)]
     if len(modes) > 1:
-        raise train.ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
+        raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
     try:
         get_config(bench.preset, image_size=bench.image_size)
     except ValueError as error:
-        raise train.ConfigError(f'--image-size {bench.image_size}: {error}') from None
+        raise ConfigError(f'--image-size {bench.image_size}: {error}') from None
     if bench.rows:
         names = [row.name for row in ladder(bench, device)]
         wanted = [w.strip().lower() for w in bench.rows.split(',')]
         if not any(w and w in name.lower() for w in wanted for name in names):
-            raise train.ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: {'; '.join(names)}")
+            raise ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: {'; '.join(names)}")
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
+    if bench.stem and (os.path.basename(bench.stem) != bench.stem or bench.stem in ('.', '..')):
+        raise ConfigError(f'--stem {bench.stem!r}: a plain file name (no folders); --out-dir sets where it goes')
     try:
         values = [int(v) for v in bench.sweep_values.split(',') if v.strip()]
     except ValueError:
-        raise train.ConfigError(f'--sweep-values {bench.sweep_values!r}: comma-separated integers') from None
+        raise ConfigError(f'--sweep-values {bench.sweep_values!r}: comma-separated integers') from None
     if any(v < (0 if bench.sweep == 'workers' else 1) for v in values):
-        raise train.ConfigError(f'--sweep-values {bench.sweep_values!r}: out of range')
+        raise ConfigError(f'--sweep-values {bench.sweep_values!r}: out of range')
     out_dir = bench.out_dir or ('results' if device.type == 'cuda' else os.path.join('runs', 'benchmark'))
-    train.check_writable(out_dir, '--out-dir')
+    check_writable(out_dir, '--out-dir')
     return dataclasses.replace(bench, out_dir=out_dir)
 
 
 def main(argv=None):
-    bench = validate(data.parse_config(argv, BenchConfig, __doc__))
+    bench = validate(parse_config(argv, BenchConfig, __doc__))
     torch.manual_seed(bench.seed)
-    if bench.profile:
-        return profile_best_row(bench)
-    if bench.sweep:
-        return run_sweep(bench)
-    if bench.loader_only:
-        return run_loader_only(bench)
-    if bench.quality:
-        return run_quality(bench)
-    if bench.sampling_only:
-        return run_sampling_only(bench)
-    return run_ladder(bench)
+    mode = next((name for name in MODES if getattr(bench, name)), None)
+    return MODES[mode](bench) if mode else run_ladder(bench)
 
 
 def cli(argv=None) -> int:
-    try:
-        main(argv)
-    except (train.ConfigError, data.DataError) as error:
-        print(f'error: {data.one_line(error)}', file=sys.stderr)
-        return 2
-    return 0
+    return run_main(main, argv)
 
 
 if __name__ == '__main__':

@@ -8,22 +8,22 @@ work per step; `torch` is a DataLoader with workers and pinned memory; `ffcv` re
 function of (seed, epoch) alone, the same for every loader, so that a resumed run sees
 exactly the batches an uninterrupted one would have.
 
-It also holds what every script's command line shares (config flags, one-line errors, the
-device, writable outputs), since it is the module that all the scripts import.
+    python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes   # a .beton for FFCV
 """
-import argparse
 import functools
 import os
 import socket
 import sys
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
+
+from cli import ConfigError, atomic_path, brief, check_ranges, check_writable, flag, parse_config, run_main
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
 HIGH_BIT_DEPTH_MODES = ('I;16', 'I;16B', 'I;16L', 'I;16N', 'I')
@@ -33,7 +33,8 @@ SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own strea
 
 
 class DataError(Exception):
-    """Bad or missing input data; train.py prints the message as one line and exits 2."""
+    """Bad or missing input data: one line on stderr, exit code 2."""
+    exit_code = 2
 
 
 # ----------------------------------------------------------------------------- data sets
@@ -95,9 +96,8 @@ def _load_array(path: str, image_size: int) -> np.ndarray:
 
 def map_files(function, paths: list, desc: str, progress: bool = True) -> typing.Iterator:
     """function(path) for every path, in order, in worker processes for large sets. Processes,
-    not threads: for small images most of the work is PIL's Python, under the GIL. Decoding
-    50,000 32x32 PNGs on 2 cores (2026-11-22; results/NOTES.md, "Decoding image folders"): 15-17 s in
-    a thread pool, 6-7 s in one process, 3-4.5 s in 2 processes (chunks of 256 files)."""
+    not threads: for small images most of the work is PIL's Python, under the GIL (measured in
+    results/NOTES.md, "Decoding image folders")."""
     workers = min(16, os.cpu_count() or 1)
     bar = functools.partial(tqdm, total=len(paths), desc=desc, leave=False, disable=not progress or len(paths) < 2000)
     if workers == 1 or len(paths) < PARALLEL_FROM:
@@ -181,7 +181,8 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True) -> torch.Ten
     try:
         dataset = CIFAR10(data_dir, train=train, download=True)
     except Exception as error:
-        raise DataError(f'CIFAR-10 not found in {data_dir!r} and the download failed ({brief(error)}): {hint}') from None
+        raise DataError(f'CIFAR-10 not found in {data_dir!r} and the download failed ({brief(error)}): '
+                        f'{hint}') from None
     finally:
         socket.setdefaulttimeout(previous_timeout)
     return _cifar10_images(dataset)
@@ -269,7 +270,10 @@ def fingerprint(dataset: Dataset, samples: int = 64) -> str:
     import hashlib
     count = len(dataset)
     indices = sorted({i * count // samples for i in range(min(samples, count))})
-    images = dataset.images(indices) if isinstance(dataset, BetonDataset) else torch.stack([dataset[i] for i in indices])
+    if isinstance(dataset, BetonDataset):
+        images = dataset.images(indices)
+    else:
+        images = torch.stack([dataset[i] for i in indices])
     digest = hashlib.sha256(str(count).encode())
     digest.update(images.contiguous().numpy().tobytes())
     return digest.hexdigest()
@@ -418,10 +422,9 @@ def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: i
     _require_ffcv()
     from ffcv.fields import RGBImageField
     from ffcv.writer import DatasetWriter
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     field = RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)
-    DatasetWriter(path + '.tmp', {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
-    os.replace(path + '.tmp', path)
+    with atomic_path(path) as tmp:
+        DatasetWriter(tmp, {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
 
 
 def _ffcv_pipeline(device):
@@ -514,124 +517,32 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
 
 # ----------------------------------------------------------------------------- command line
 
-# The scripts' shared command-line helpers live here, at the bottom of the import graph
-# (train, sample and benchmark all import data; data imports none of them).
-
-class ConfigError(Exception):
-    """A bad flag or file; every script reports it as one line, exit code 2."""
-
-
-def pick_device(name: str, local_rank: int) -> torch.device:
-    if name == 'auto':
-        name = 'cuda' if torch.cuda.is_available() else 'cpu'
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ('cpu', 'cuda'):
-        raise ConfigError(f'--device {name}: unknown device; use cpu, cuda or cuda:N')
-    if device.type == 'cuda':
-        if not torch.cuda.is_available():
-            raise ConfigError(f'--device {name}: CUDA is not available here; use --device cpu')
-        if device.index is None:
-            device = torch.device('cuda', local_rank)
-        if device.index >= torch.cuda.device_count():
-            raise ConfigError(f'--device {name}: this machine has {torch.cuda.device_count()} GPU(s)')
-    return device
-
-
-def check_writable(folder: str, flag_name: str):
-    """Creates the folder and writes a file in it, so that a bad path fails now, not after
-    hours of training."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        probe = os.path.join(folder, f'.write-test-{os.getpid()}')
-        with open(probe, 'w') as f:
-            f.write('ok')
-        os.remove(probe)
-    except OSError as error:
-        raise ConfigError(f'{flag_name} {folder}: cannot write there ({error.strerror or error})') from None
-
-
-def flag(default, help, **extra):
-    """A config field with its --help text (and choices): build_parser turns it into a flag."""
-    return field(default=default, metadata={'help': help, **extra})
-
-
-def build_parser(config_class, description: str) -> argparse.ArgumentParser:
-    """One flag per dataclass field, with its help text, choices and default. A bad flag is
-    one 'error:' line and exit code 2, as every other bad input."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for f in fields(config_class):
-        kind = next((a for a in typing.get_args(f.type) if a is not type(None)), f.type)
-        text = f.metadata['help']
-        if f.default is not None and 'default' not in text:
-            text += f' (default: {f.default})'
-        kwargs = dict(default=f.default, help=text)
-        if kind is bool:
-            kwargs['action'] = argparse.BooleanOptionalAction
-        else:
-            kwargs['type'] = kind
-        if 'choices' in f.metadata:
-            kwargs['choices'] = f.metadata['choices']
-        parser.add_argument('--' + f.name.replace('_', '-'), **kwargs)
-
-    def one_line_error(message):
-        print(f'error: {message}', file=sys.stderr)
-        sys.exit(2)
-    parser.error = one_line_error
-    return parser
-
-
-def parse_config(argv, config_class, description: str = None):
-    """A config dataclass from command-line arguments (sys.argv when argv is None)."""
-    return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
-
-
-def one_line(error: Exception) -> str:
-    """The message of one of our errors as one line, also when a DataLoader worker wrapped it
-    in a traceback."""
-    lines = [line for line in str(error).strip().splitlines() if line.strip()]
-    return (lines[-1] if lines else type(error).__name__).split('DataError: ', 1)[-1]
-
-
-def brief(error: Exception, limit: int = 160) -> str:
-    """A library's error, for quoting inside ours: its type and first line, cut to `limit`."""
-    lines = str(error).strip().splitlines()
-    text = f'{type(error).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
-    return text if len(text) <= limit else text[:limit - 3] + '...'
-
-
 @dataclass
 class BetonConfig:
     write_beton: str = flag('', 'the .beton file to write')
     dataset: str = flag('cifar10', 'data set to convert', choices=('cifar10', 'folder', 'shapes'))
     data_dir: str = flag('./data', 'CIFAR-10 root or image folder')
-    image_size: int = flag(32, 'resolution the images are stored at')
-    shapes_count: int = flag(8192, 'images in the shapes set')
+    image_size: int = flag(32, 'resolution the images are stored at', at_least=1)
+    shapes_count: int = flag(8192, 'images in the shapes set', at_least=1)
     jpeg: bool = flag(False, 'store JPEG instead of raw RGB (smaller, slower to decode)')
-    jpeg_quality: int = flag(90, 'JPEG quality')
-    num_workers: int = flag(4, 'writer processes')
+    jpeg_quality: int = flag(90, 'JPEG quality', at_least=1, at_most=100)
+    num_workers: int = flag(4, 'writer processes', at_least=1)
+
+
+def write_beton_main(cfg: BetonConfig):
+    check_ranges(cfg)
+    if not cfg.write_beton:
+        raise ConfigError('nothing to do: pass --write-beton OUT.beton')
+    check_writable(os.path.dirname(os.path.abspath(cfg.write_beton)), '--write-beton')
+    dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
+    write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)
+    print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}) '
+          f'to {cfg.write_beton}')
 
 
 def main(argv=None) -> int:
     """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes [...]"""
-    cfg = parse_config(argv, BetonConfig, main.__doc__)
-    try:
-        if not cfg.write_beton:
-            raise DataError('nothing to do: pass --write-beton OUT.beton')
-        check_writable(os.path.dirname(os.path.abspath(cfg.write_beton)), '--write-beton')
-        dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
-        write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)
-    except (DataError, ConfigError) as error:
-        print(f'error: {one_line(error)}', file=sys.stderr)
-        return 2
-    except OSError as error:  # a full disk while writing
-        print(f'error: {brief(error, 300)}', file=sys.stderr)
-        return 1
-    print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}) '
-          f'to {cfg.write_beton}')
-    return 0
+    return run_main(write_beton_main, parse_config(argv, BetonConfig, main.__doc__))
 
 
 if __name__ == '__main__':

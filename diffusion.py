@@ -93,7 +93,8 @@ def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, 
 
 def predict_x0(sched: Schedule, xt: torch.Tensor, t: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
     """x_0 = x_t / sqrt(abar_t) - sqrt(1/abar_t - 1) eps: eq. 4 solved for x_0 (used in eq. 15)."""
-    return _gather(sched.sqrt_recip_alphas_cumprod, t, xt) * xt - _gather(sched.sqrt_recipm1_alphas_cumprod, t, xt) * eps
+    return (_gather(sched.sqrt_recip_alphas_cumprod, t, xt) * xt
+            - _gather(sched.sqrt_recipm1_alphas_cumprod, t, xt) * eps)
 
 
 def q_posterior(sched: Schedule, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor):

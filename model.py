@@ -1,5 +1,5 @@
-"""The DDPM UNet (Ho et al., 2020, appendix B), its presets, FLOP counting, and loading
-diffusers' UNet2DModel weights.
+"""The DDPM UNet (Ho et al., 2020, appendix B), its presets, FLOP counting, and its files: our
+checkpoints (save, load and every compatibility check) and diffusers' UNet2DModel folders.
 
 The network is the paper's (its TF code, diffusion_tf/models/unet.py): a sinusoidal
 timestep embedding and a 2-layer MLP; residual blocks of GroupNorm(eps 1e-6), SiLU, 3x3
@@ -13,12 +13,14 @@ diffusers' UNet2DModel in the configuration of google/ddpm-cifar10-32 is the sam
 import json
 import math
 import os
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
+
+from cli import ConfigError, atomic_open, brief
 
 NORM_EPS = 1e-6  # tf.contrib.layers.group_norm's default, used by the paper's code
 ZERO_INIT_SCALE = 1e-10  # the paper's default_init(scale=0.): variance scaling at 1e-10, not exact zeros
@@ -318,6 +320,14 @@ def gpu_peak_key(device_name: str):
     return None
 
 
+def precision_of(amp: str, device: torch.device) -> str:
+    """The precision a run computes in, as GPU_PEAK_TFLOPS names it: its autocast dtype, else
+    fp32, or tf32 where CUDA lets fp32 convolutions use TF32 tensor cores."""
+    if amp != 'off':
+        return amp
+    return 'tf32' if device.type == 'cuda' and torch.backends.cudnn.allow_tf32 else 'fp32'
+
+
 def peak_tflops(device_name: str, precision: str):
     """Dense peak for a device name and 'fp32' | 'tf32' | 'bf16' | 'fp16'; None if unknown."""
     key = gpu_peak_key(device_name)
@@ -515,3 +525,115 @@ def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
     model = UNet(config)
     model.load_state_dict(state_dict_from_diffusers(model, _read_weights(folder)))
     return model.float().eval()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+# The one checkpoint format, of train.py, sample.py and benchmark.py: a dict that loads with
+# torch.load(weights_only=True) and holds plain state dicts 'model' and 'ema', the run's
+# 'config' and 'model_config' (as dicts), 'model_version', and what an exact resume needs:
+# 'optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng' (one entry per rank), 'data'
+# (image count and fingerprint), 'train_seconds' and 'eval_owed'. train.checkpoint_state
+# writes it, train.restore reads it back.
+CHECKPOINT_REQUIRED = ('model', 'ema', 'config', 'model_config')
+# The settings a resumed run must share with its checkpoint to continue exactly.
+RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout')
+
+
+def resume_path(resume: str, out_dir: str) -> str:
+    """What train.py --resume means: 'auto' is OUT_DIR/ckpt.pt when it exists and a fresh run
+    otherwise. A fresh run never overwrites a checkpoint (nor appends to another run's
+    metrics.jsonl), and a run is never resumed into another run's folder."""
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if resume == 'auto':
+        return ckpt_path if os.path.isfile(ckpt_path) else ''
+    if not resume and os.path.isfile(ckpt_path):
+        raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
+                          f'or pass another --out-dir')
+    if resume and os.path.isfile(resume) and os.path.isfile(ckpt_path) and not os.path.samefile(resume, ckpt_path):
+        raise ConfigError(f'--resume {resume} into --out-dir {out_dir}, which holds another run\'s '
+                          f'checkpoint: pass an empty --out-dir, or resume that run')
+    return resume
+
+
+def save_checkpoint(state: dict, path: str):
+    """torch.save through a temporary file and a rename: a crash mid-write leaves the previous
+    checkpoint whole, and a failed write (a full disk) leaves no partial file."""
+    with atomic_open(path, 'wb') as f:
+        torch.save(state, f)
+
+
+def read_checkpoint(path: str, what: str) -> dict:
+    """A checkpoint, loaded without running code from the file. Anything else (no file, junk, a
+    dict of something else, a checkpoint of the network before it was made the paper's) is a
+    one-line ConfigError starting with `what` (such as '--resume PATH')."""
+    if not os.path.isfile(path):
+        raise ConfigError(f'{what}: no such checkpoint')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as error:
+        raise ConfigError(f'{what}: not a train.py checkpoint (cannot load it: {brief(error)})') from None
+    if not isinstance(ckpt, dict) or not set(CHECKPOINT_REQUIRED) <= set(ckpt):
+        raise ConfigError(f'{what}: not a train.py checkpoint (it lacks the model, EMA or config)')
+    # Version 1 (no SiLU before the timestep projections, symmetric downsampling padding,
+    # GroupNorm eps 1e-5) has the same tensors but computes another function.
+    version = ckpt.get('model_version', 1)
+    if version != MODEL_VERSION:
+        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
+                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
+    return ckpt
+
+
+def checkpoint_model_config(ckpt: dict, what: str) -> UNetConfig:
+    try:
+        return UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ConfigError(f'{what}: not a train.py checkpoint (its model_config: {brief(error)})') from None
+
+
+def model_from_checkpoint(ckpt: dict, weights: str, what: str) -> UNet:
+    """The UNet of a checkpoint with its 'ema' or 'model' weights, in eval mode on the CPU."""
+    if ckpt.get(weights) is None:
+        raise ConfigError(f'{what} holds no {weights} weights')
+    model = UNet(checkpoint_model_config(ckpt, what))
+    try:
+        model.load_state_dict(ckpt[weights])
+    except (RuntimeError, TypeError, AttributeError) as error:
+        raise ConfigError(f'{what}: its {weights} weights do not fit its model_config ({brief(error, 300)})') from None
+    return model.eval()
+
+
+def check_resumable(ckpt: dict, what: str, config: dict, model_config: UNetConfig, world_size: int):
+    """An exact resume needs the same architecture, the same RESUME_MUST_MATCH settings and the
+    same number of ranks (one RNG state each). Checked before any data is loaded."""
+    theirs = ckpt['model_config'] if isinstance(ckpt['model_config'], dict) else {}
+    diffs = [f'{k}={theirs.get(k)!r} (now {v!r})' for k, v in asdict(model_config).items()
+             if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]  # these hold no weights
+    if diffs:
+        raise ConfigError(f'{what}: the checkpoint is another architecture: {", ".join(diffs)}')
+    try:
+        saved, ranks = ckpt['config'], len(ckpt['rng'])
+        differing = [name for name in RESUME_MUST_MATCH if saved[name] != config[name]]
+    except (KeyError, TypeError) as error:
+        raise ConfigError(f'{what}: not a complete train.py checkpoint ({brief(error)})') from None
+    for name in differing:
+        raise ConfigError(f'{what}: the checkpoint has --{name.replace("_", "-")} {saved[name]}, this run '
+                          f'{config[name]}; an exact resume needs the same value')
+    if ranks != world_size:
+        raise ConfigError(f'{what}: written by {ranks} ranks, this run has {world_size}')
+
+
+def check_same_data(ckpt: dict, what: str, data_identity: dict, data_dir: str):
+    """An exact resume needs the same images: the checkpoint's image count and fingerprint
+    (data.fingerprint) against those of the data set loaded now."""
+    saved = ckpt.get('data')
+    if saved is None:
+        return  # a checkpoint from before fingerprints: the settings check is all there is
+    if saved != data_identity:
+        raise ConfigError(f"{what}: the checkpoint was trained on another data set ({saved['count']} images, "
+                          f"fingerprint {saved['fingerprint'][:12]}); {data_dir} has {data_identity['count']} "
+                          f"images, fingerprint {data_identity['fingerprint'][:12]}")
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value

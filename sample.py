@@ -8,8 +8,11 @@
 Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast and
 torch.compile on CUDA. FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible
 network); its weights download on first use, or come from --inception-weights offline.
-Exit codes: 0 done, 2 bad input.
+It also holds the evaluation that train.py runs during training (held-out loss, FID and
+bits/dim of the EMA, curves.png), since it reuses the code above.
+Exit codes: 0 done, 1 a write failed, 2 bad input.
 """
+import copy
 import json
 import math
 import os
@@ -20,30 +23,34 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import data
 import diffusion
-from model import MODEL_VERSION, DiffusersConfigError, UNet, UNetConfig, count_flops, diffusers_folder, load_diffusers
-from data import ConfigError, brief, check_writable, flag, one_line, parse_config, pick_device
+from cli import (ConfigError, atomic_open, autocast, brief, check_ranges, check_writable, flag, gather_to_rank0,
+                 parse_config, pick_device, pyplot, run_main, save_figure)
+from model import (DiffusersConfigError, UNetConfig, count_flops, diffusers_folder, load_diffusers,
+                   model_from_checkpoint, read_checkpoint)
 
 
 @dataclass
 class SampleConfig:
     ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py, or a diffusers UNet2DModel or pipeline '
                                      'folder (such as google/ddpm-cifar10-32)')
-    num: int = flag(64, 'images to draw')
+    num: int = flag(64, 'images to draw', at_least=1)
     sampler: str = flag('ddim', 'ddim (any --steps) or ddpm (all T steps, ancestral)', choices=('ddim', 'ddpm'))
-    steps: int = flag(50, 'DDIM steps')
-    eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise)')
+    steps: int = flag(50, 'DDIM steps', at_least=1)
+    eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise; above 1 would ask for more noise than the '
+                           'step\'s posterior has)', at_least=0, at_most=1)
     variance: str = flag('fixedlarge', 'DDPM variance', choices=('fixedlarge', 'fixedsmall'))
-    batch_size: int = flag(256, 'images per sampling batch')
+    batch_size: int = flag(256, 'images per sampling batch', at_least=1)
     out: str = flag('samples', 'output folder')
     format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
                        choices=('png', 'npz'))
     grid: bool = flag(False, 'write one grid PNG (out/grid.png) instead of separate images')
     weights: str = flag('ema', 'which weights to use', choices=('ema', 'model'))
-    seed: int = flag(0, 'seed of the sampling noise')
+    seed: int = flag(0, 'seed of the sampling noise', at_least=0, at_most=2 ** 32 - 1)
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
     amp: str = flag('auto', 'autocast for sampling (auto: bf16 on CUDA); bits/dim always runs in fp32 unless '
                             'set explicitly', choices=('auto', 'off', 'bf16'))
@@ -58,21 +65,9 @@ class SampleConfig:
     bpd: bool = flag(False, 'compute the variational bound in bits/dim (T model calls per image)')
     bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes, folder or beton',
                          choices=('cifar10', 'shapes', 'folder', 'beton'))
-    bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)')
+    bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)', at_least=1)
     bpd_timesteps: int = flag(0, 'bits/dim: 0 for the full bound (T model calls per image), K for its unbiased '
                                  'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
-
-
-def check_model_version(ckpt: dict, what: str):
-    """Checkpoints of the network before it was made the paper's (version 1: no SiLU before
-    the timestep projections, symmetric downsampling padding, GroupNorm eps 1e-5) have the
-    same tensors but compute another function: refuse them."""
-    if not isinstance(ckpt, dict) or not {'model', 'ema', 'config', 'model_config'} <= set(ckpt):
-        raise ConfigError(f'{what}: not a train.py checkpoint (it lacks the model, EMA or config)')
-    version = ckpt.get('model_version', 1)
-    if version != MODEL_VERSION:
-        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
-                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
 
 
 def load_model(path: str, weights: str, device) -> tuple:
@@ -81,23 +76,14 @@ def load_model(path: str, weights: str, device) -> tuple:
     if os.path.isdir(path):
         model, sched = load_diffusers_folder(path)
         return model.to(device).requires_grad_(False), model.config, sched
-    if not os.path.isfile(path):
-        raise ConfigError(f'--ckpt {path}: no such checkpoint or folder')
+    what = f'--ckpt {path}'
+    ckpt = read_checkpoint(path, what)
+    model = model_from_checkpoint(ckpt, weights, what)
     try:
-        ckpt = torch.load(path, map_location='cpu', weights_only=True)
-        model_config = UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
-        schedule = ckpt['config']['schedule']
-    except Exception as error:
-        raise ConfigError(f'--ckpt {path}: not a train.py checkpoint ({brief(error)})') from None
-    check_model_version(ckpt, f'--ckpt {path}')
-    if ckpt.get(weights) is None:
-        raise ConfigError(f'--ckpt {path} holds no {weights} weights')
-    model = UNet(model_config)
-    try:
-        model.load_state_dict(ckpt[weights])
-    except (RuntimeError, TypeError) as error:
-        raise ConfigError(f'--ckpt {path}: its {weights} weights do not fit its model_config ({brief(error, 300)})') from None
-    return model.to(device).eval().requires_grad_(False), model_config, diffusion.make_schedule(1000, schedule)
+        sched = diffusion.make_schedule(1000, ckpt['config']['schedule'])
+    except (KeyError, TypeError, ValueError) as error:
+        raise ConfigError(f'{what}: not a train.py checkpoint (its schedule: {brief(error)})') from None
+    return model.to(device).requires_grad_(False), model.config, sched
 
 
 def load_diffusers_folder(path: str) -> tuple:
@@ -126,15 +112,16 @@ def diffusers_schedule(path: str, unet_folder: str) -> diffusion.Schedule:
         raise ConfigError(f'{config_path}: not a scheduler configuration ({brief(error)})') from None
     kind = {'linear': 'linear', 'squaredcos_cap_v2': 'cosine'}.get(theirs.get('beta_schedule', 'linear'))
     steps = theirs.get('num_train_timesteps', 1000)
-    paper_betas = (math.isclose(theirs.get('beta_start', 1e-4), 1e-4) and math.isclose(theirs.get('beta_end', 0.02), 0.02))
+    paper_betas = (math.isclose(theirs.get('beta_start', 1e-4), 1e-4)
+                   and math.isclose(theirs.get('beta_end', 0.02), 0.02))
     if kind is None or theirs.get('trained_betas') is not None or (kind == 'linear' and not paper_betas):
         raise ConfigError(f'{config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are supported')
     return diffusion.make_schedule(steps, kind)
 
 
-def autocast_for(amp: str, device: torch.device):
-    enabled = amp == 'bf16' or (amp == 'auto' and device.type == 'cuda')
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+def sampling_amp(amp: str, device: torch.device) -> str:
+    """--amp auto samples in bf16 on CUDA and in fp32 on the CPU."""
+    return ('bf16' if device.type == 'cuda' else 'off') if amp == 'auto' else amp
 
 
 def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
@@ -151,7 +138,7 @@ def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig
         shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
         seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
         generator = torch.Generator(device).manual_seed(seed)
-        with autocast_for(cfg.amp, device):
+        with autocast(sampling_amp(cfg.amp, device), device):
             if cfg.sampler == 'ddpm':
                 x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
             else:
@@ -181,6 +168,22 @@ def write_images(images: torch.Tensor, cfg: SampleConfig):
             Image.fromarray(image).save(os.path.join(cfg.out, f'{i:06d}.png'))
         path = os.path.join(cfg.out, f'{0:06d}.png ... {len(images) - 1:06d}.png')
     return path
+
+
+@torch.no_grad()
+def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
+    """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
+    time (seed cfg.seed), in cfg.amp, as one PNG."""
+    from torchvision.utils import save_image
+    shape = (cfg.num_samples, 3, cfg.image_size, cfg.image_size)
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    with autocast(cfg.amp, device):
+        if cfg.sampler == 'ddpm':
+            images = diffusion.ddpm_sample(model, sched, shape, generator, device)
+        else:
+            images = diffusion.ddim_sample(model, sched, shape, cfg.sample_steps, generator=generator, device=device)
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    save_image((images.float() + 1) / 2, path, nrow=int(math.sqrt(cfg.num_samples)) or 1)
 
 
 # ----------------------------------------------------------------------------- FID
@@ -241,10 +244,8 @@ def reference_statistics(name: str, data_dir: str, image_size: int, extractor, b
     images = reference_images(name, data_dir, image_size, split_train=True)
     batches = tqdm(images.split(batch_size), desc=f'reference features ({name})', leave=False)
     stats = statistics(features_of(batches, extractor))
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    with open(path + '.tmp', 'wb') as f:  # a run killed mid-write leaves no half cache
+    with atomic_open(path, 'wb') as f:  # a run killed mid-write leaves no half cache
         np.savez(f, mu=stats['mu'], sigma=stats['sigma'])
-    os.replace(path + '.tmp', path)
     return stats
 
 
@@ -260,7 +261,7 @@ def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch
     for batch in tqdm(images.split(batch_size), desc=f'bits/dim ({calls} model calls per image)', leave=False,
                       disable=not progress):
         x0 = batch.to(device).float() / 127.5 - 1
-        with autocast_for(amp, device):
+        with autocast(amp, device):
             if timesteps:
                 result = diffusion.vlb_bits_per_dim_mc(model, sched, x0, timesteps, generator=generator)
             else:
@@ -295,17 +296,175 @@ def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Samp
     return {**summarise_bits(per_image, cfg.bpd_timesteps, sched.num_steps), 'data': cfg.bpd_data}
 
 
+# ----------------------------------------------------------------------------- evaluation during training
+
+def make_heldout(cfg, device, num_steps: int) -> tuple:
+    """The held-out set of train.py's held-out loss: cfg.heldout_size fixed images, one timestep
+    each, spread evenly over 0..T-1, and noise from a fixed seed."""
+    images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.heldout_size).to(device)
+    generator = torch.Generator().manual_seed(12345)
+    t = (torch.arange(len(images)) * num_steps // len(images)).to(device)
+    noise = torch.randn(images.shape, generator=generator).to(device)
+    return images, t, noise
+
+
+@torch.no_grad()
+def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device) -> torch.Tensor:
+    """Per-image training loss on the fixed images, timesteps and noise (no flips, no dropout):
+    comparable across steps, runs and settings. Returns (N,) on the CPU."""
+    was_training = model.training
+    model.eval()
+    images, t, noise = heldout
+    losses = []
+    try:
+        for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
+            x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
+            if cfg.channels_last:
+                x0 = x0.contiguous(memory_format=torch.channels_last)
+            with autocast(cfg.amp, device):
+                losses.append(diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk], per_example=True))
+    finally:  # also when a stop cuts the evaluation short: training goes on in training mode
+        model.train(was_training)
+    return torch.cat(losses).cpu()
+
+
+class Evaluator:
+    """FID of EMA samples and a Monte Carlo estimate of the EMA's bits/dim on held-out images,
+    for train.py --eval-every. Every rank takes a share (batches of samples, held-out images),
+    so that none waits idle into a timeout; rank 0 gathers and returns the row. The reference
+    statistics are computed (or read from their cache) here, at the start, so that a missing
+    data set or Inception network shows before training, not after. `run` is a train.Run."""
+
+    def __init__(self, run):
+        cfg, self.run = run.cfg, run
+        self.images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.eval_bpd_images)
+        self.extractor = self.reference = None
+        self.fid_left_out = None  # why FID is left out (offline without Inception weights)
+        if cfg.eval_fid:
+            try:
+                self.extractor = inception_extractor(cfg.inception_weights, run.device)
+            except ConfigError as error:
+                self.fid_left_out = str(error)
+        if self.extractor is not None and run.rank == 0:
+            self.reference = reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, self.extractor,
+                                                  self.batch_size)
+        self.sampling = SampleConfig(num=cfg.eval_samples, batch_size=self.batch_size, sampler=cfg.sampler,
+                                     steps=cfg.sample_steps, seed=cfg.seed, amp='auto')
+
+    @property
+    def batch_size(self) -> int:
+        return max(self.run.cfg.batch_size // self.run.world_size, 1)
+
+    def due(self, step: int) -> bool:
+        """At the first step at or past each multiple of --eval-every images (so runs of any batch
+        size evaluate at the same image counts, and a resumed run keeps the schedule)."""
+        every, batch = self.run.cfg.eval_every, self.run.cfg.batch_size
+        return bool(every) and step * batch // every > (step - 1) * batch // every
+
+    def ema_on_every_rank(self) -> torch.nn.Module:
+        run = self.run
+        if run.world_size == 1:
+            return run.ema
+        ema = run.ema if run.rank == 0 else copy.deepcopy(run.model).eval()
+        for tensor in ema.state_dict().values():
+            dist.broadcast(tensor, src=0)
+        return ema
+
+    @torch.no_grad()
+    def __call__(self, step: int, train_hours: float) -> dict:
+        run, cfg = self.run, self.run.cfg
+        start = time.perf_counter()
+        ema = self.ema_on_every_rank()
+        generator = torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + step * 131 + run.rank)
+        mine = self.images[run.rank::run.world_size]
+        bits = bits_per_image(ema, run.sched, mine, self.batch_size, run.device, generator,
+                              cfg.eval_bpd_timesteps, amp='off', progress=False)
+        features = None
+        if self.extractor is not None:
+            samples = draw(ema, run.model.config, run.sched, self.sampling, run.device, progress=False,
+                           rank=run.rank, world_size=run.world_size)
+            features = features_of(samples, self.extractor).astype('float32')
+        bits, features = gather_to_rank0((bits, features), run.rank, run.world_size, run.control_group)
+        if run.rank != 0:
+            return {}
+        row = {'kind': 'eval', 'step': step, 'images_seen': step * cfg.batch_size, 'train_hours': train_hours}
+        summary = summarise_bits({k: torch.cat([b[k] for b in bits]) for k in bits[0]},
+                                 cfg.eval_bpd_timesteps, run.sched.num_steps)
+        row.update(bpd=summary['bits_per_dim'], bpd_stderr=summary['stderr'], bpd_images=summary['images'],
+                   bpd_model_calls_per_image=summary['model_calls_per_image'])
+        if self.extractor is not None:
+            stats = statistics(np.concatenate(features).astype('float64'))
+            steps = cfg.sample_steps if cfg.sampler == 'ddim' else run.sched.num_steps
+            row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
+                       fid_sampler=f'{cfg.sampler}-{steps}')
+        row['eval_seconds'] = time.perf_counter() - start
+        return row
+
+
+def write_curves(metrics_path: str, png_path: str):
+    """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
+    standard error) and FID against training images seen, training hours on the top axis."""
+    import matplotlib.ticker
+    plt = pyplot()
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train_rows = [r for r in rows if r.get('kind') == 'train']
+    eval_rows = [r for r in rows if r.get('kind') == 'eval']
+    panels = [('loss', train_rows)]
+    panels += [(name, eval_rows) for name in ('bpd', 'fid') if any(name in r for r in eval_rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (name, source) in zip(axes[0], panels):
+        if name == 'loss':
+            for key, label in (('loss', 'training loss'), ('heldout_loss', 'held-out loss'),
+                               ('heldout_loss_ema', 'held-out loss, EMA')):
+                points = [(r['images_seen'], r[key]) for r in source if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), marker='.', label=label)
+            if ax.lines:
+                ax.set_yscale('log')
+                ax.legend(fontsize=8)
+        else:
+            points = [r for r in source if r.get(name) is not None]
+            errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
+            ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
+                        capsize=3)
+        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)'}[name])
+        ax.set_xlabel('training images seen')
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
+        ax.grid(alpha=0.3)
+        add_hours_axis(ax, rows)
+    save_figure(fig, png_path)
+
+
+def add_hours_axis(ax, rows: list):
+    """Training hours (evaluation, grids and checkpoints left out) as a top axis."""
+    import matplotlib.ticker
+    latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
+    for r in rows:
+        if r.get('train_hours') is not None and 'images_seen' in r:
+            latest[r['images_seen']] = max(r['train_hours'], latest.get(r['images_seen'], 0.0))
+    pairs, top_hours = [], -1.0
+    for images_seen, hours in sorted(latest.items()):
+        if hours > top_hours:
+            pairs.append((images_seen, hours))
+            top_hours = hours
+    if len(pairs) < 2:
+        return
+    images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
+    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, hours),
+                                               lambda h: np.interp(h, hours, images)))
+    top.set_xlabel('training hours', fontsize=8)
+    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+
+
 # ----------------------------------------------------------------------------- main
 
 def validate(cfg: SampleConfig, sched: diffusion.Schedule):
-    """The flags, checked before any sampling; the output folder created and checked writable."""
-    for name in ('num', 'batch_size', 'steps', 'bpd_num'):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(cfg, name)}")
+    """The flags that depend on the model's schedule, and the output folder (created and
+    checked writable); check_ranges checked the others before the model was loaded."""
     if cfg.sampler == 'ddim' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
-    if not 0 <= cfg.eta <= 1:  # eta > 1 asks for more noise than the step's posterior has
-        raise ConfigError(f'--eta must be in [0, 1], got {cfg.eta}')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
         raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
@@ -315,6 +474,7 @@ def validate(cfg: SampleConfig, sched: diffusion.Schedule):
 
 
 def main(cfg: SampleConfig) -> dict:
+    check_ranges(cfg)
     device = pick_device(cfg.device, 0)
     model, config, sched = load_model(cfg.ckpt, cfg.weights, device)
     validate(cfg, sched)
@@ -347,13 +507,7 @@ def main(cfg: SampleConfig) -> dict:
 
 
 def cli(argv=None) -> int:
-    cfg = parse_config(argv, SampleConfig, __doc__)
-    try:
-        main(cfg)
-    except (ConfigError, data.DataError) as error:
-        print(f'error: {one_line(error)}', file=sys.stderr)
-        return 2
-    return 0
+    return run_main(main, parse_config(argv, SampleConfig, __doc__))
 
 
 if __name__ == '__main__':

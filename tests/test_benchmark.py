@@ -1,4 +1,4 @@
-"""benchmark.py and results/measure_gpu.sh on the CPU. One quick run of every part of the GPU
+"""benchmark.py and scripts/measure_gpu.sh on the CPU. One quick run of every part of the GPU
 campaign (tiny preset) feeds most tests: its wiring is checked before a GPU is lent."""
 import gzip
 import json
@@ -22,13 +22,13 @@ PARTS = ['headline', 'ladder', 'profile', 'gputests', 'autotune', 'graphs', 'qua
 
 @pytest.fixture(scope='module')
 def campaign(tmp_path_factory, root):
-    """bash results/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
+    """bash scripts/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
     form; two parts at a time, one thread each (their timings mean nothing on a CPU anyway)."""
     out = tmp_path_factory.mktemp('gpu-out')
     lanes = [['ladder', 'quality', 'autotune', 'graphs', 'small'], ['profile', 'headline', 'gputests', 'loaders', 'sweep']]
     assert sorted(sum(lanes, [])) == sorted(PARTS)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash results/measure_gpu.sh {part} {out} --quick'
+    processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash scripts/measure_gpu.sh {part} {out} --quick'
                                                           for part in lane)],
                                   cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for lane in lanes]
@@ -231,7 +231,7 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
 def test_measure_script_refuses_missing_wheels(tmp_path, root):
     if os.path.isdir(os.path.join(root, '.whl')):
         pytest.skip('.whl/ is present here')
-    result = subprocess.run(['bash', 'results/measure_gpu.sh', 'headline', str(tmp_path)], cwd=root,
+    result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'headline', str(tmp_path)], cwd=root,
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and 'diffusers==0.42.1' in result.stderr
     assert not list(tmp_path.iterdir())

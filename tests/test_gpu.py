@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 import torch
 
+import cli
 import data
 import train
 from helpers import train_args
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a C
 
 
 def gpu_run(tmp_path, **overrides):
-    cfg = train.parse_config(train_args(tmp_path, '--device', 'cuda', '--shapes-count', '512', '--batch-size', '64'))
+    args = train_args(tmp_path, '--device', 'cuda', '--shapes-count', '512', '--batch-size', '64')
+    cfg = cli.parse_config(args, train.TrainConfig)
     cfg = train.resolve_defaults(cfg, torch.device('cuda'))
     cfg = dataclasses.replace(cfg, **overrides)
     return train.build_run(cfg, torch.device('cuda'), progress=False)

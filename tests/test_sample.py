@@ -7,6 +7,7 @@ import diffusion
 import sample
 import train
 from helpers import stand_in_extractor, train_args
+from model import UNet, UNetConfig
 
 
 @pytest.fixture(scope='module')
@@ -132,8 +133,7 @@ def test_samples_use_the_checkpoints_schedule(tmp_path):
     assert sample.cli(['--ckpt', str(path), '--num', '3', '--batch-size', '3', '--steps', '4', '--eta', '0.5',
                        '--device', 'cpu', '--format', 'npz', '--out', str(tmp_path / 'out')]) == 0
     got = torch.from_numpy(np.load(tmp_path / 'out' / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
-    model = sample.UNet(sample.UNetConfig(**{k: tuple(v) if isinstance(v, list) else v
-                                             for k, v in ckpt['model_config'].items()}))
+    model = UNet(UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()}))
     model.load_state_dict(ckpt['ema'])
     expected = {kind: sample.to_uint8(diffusion.ddim_sample(model.eval(), diffusion.make_schedule(1000, kind),
                                                             (3, 3, 16, 16), 4, 0.5,

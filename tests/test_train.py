@@ -12,8 +12,11 @@ import pytest
 import torch
 import torchvision
 
+import cli
 import data
 import diffusion
+import model
+import sample
 import train
 from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
 
@@ -64,7 +67,7 @@ def test_ema_samples_and_evaluates_without_dropout(tmp_path):
         for p in ema.parameters():  # weights that make dropout visible (the untrained output conv is zero)
             p.add_(0.05 * torch.randn_like(p))
     for name in ('a.png', 'b.png'):
-        train.write_sample_grid(ema, diffusion.make_schedule(1000), cfg, torch.device('cpu'), str(tmp_path / name))
+        sample.write_grid(ema, diffusion.make_schedule(1000), cfg, torch.device('cpu'), str(tmp_path / name))
     assert (tmp_path / 'a.png').read_bytes() == (tmp_path / 'b.png').read_bytes()
 
 
@@ -157,10 +160,10 @@ def tiny_run(**overrides):
 
 def test_heldout_loss_is_deterministic_and_without_dropout():
     run = tiny_run(dropout=0.5, heldout_size=16)
-    heldout = train.make_heldout(run.cfg, run.device, 1000)
+    heldout = sample.make_heldout(run.cfg, run.device, 1000)
     assert run.model.training
-    a = train.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
-    b = train.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    a = sample.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    b = sample.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
     assert torch.equal(a, b) and run.model.training  # eval mode inside, training mode after
     images, t, noise = heldout
     assert sorted(t.tolist()) == [i * 1000 // 16 for i in range(16)]  # timesteps spread over 0..T-1
@@ -172,7 +175,7 @@ def test_heldout_loss_is_deterministic_and_without_dropout():
 
 def test_sample_grid_holds_the_samplers_images(tmp_path):
     run = tiny_run(num_samples=4, sample_steps=3, seed=7)
-    train.write_sample_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
+    sample.write_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
     grid = torchvision.io.read_image(str(tmp_path / 'grid.png'))
     assert grid.shape == (3, 2 * 16 + 3 * 2, 2 * 16 + 3 * 2)  # 2 x 2 images, 2-pixel padding
     with torch.no_grad():
@@ -256,7 +259,7 @@ def test_resume_without_dropout_rng_restore_would_differ(tmp_path):
 
 def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
-    train.save_checkpoint({'step': 1, 'w': torch.ones(3)}, path)
+    model.save_checkpoint({'step': 1, 'w': torch.ones(3)}, path)
     assert os.listdir(tmp_path) == ['ckpt.pt']  # no temporary file left behind
 
     def crash_mid_write(obj, f, *args, **kwargs):
@@ -264,7 +267,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
         raise OSError('disk full')
     monkeypatch.setattr(torch, 'save', crash_mid_write)
     with pytest.raises(OSError):
-        train.save_checkpoint({'step': 2, 'w': torch.zeros(3)}, path)
+        model.save_checkpoint({'step': 2, 'w': torch.zeros(3)}, path)
     monkeypatch.undo()
     assert torch.load(path, weights_only=True)['step'] == 1
 
@@ -357,9 +360,10 @@ def test_resume_from_another_architecture(tmp_path, capsys):
     assert 'another architecture' in _stderr_line(capsys)
     assert run(tmp_path / 'other', '--steps', '4', '--resume', ckpt, '--batch-size', '4') == 2
     assert '--batch-size' in _stderr_line(capsys)
-    cfg = train.resolve_defaults(train.parse_config(train_args(tmp_path, '--steps', '4')), torch.device('cpu'))
-    with pytest.raises(train.ConfigError, match='written by 1 ranks, this run has 2'):
-        train.load_checkpoint(ckpt, cfg, train.model_config_of(cfg), world_size=2)
+    cfg = train.resolve_defaults(cli.parse_config(train_args(tmp_path, '--steps', '4', '--resume', ckpt),
+                                                  train.TrainConfig), torch.device('cpu'))
+    with pytest.raises(cli.ConfigError, match='written by 1 ranks, this run has 2'):
+        train.load_resumable(cfg, world_size=2)
 
 
 def test_real_cli_exit_code_and_stderr(tmp_path, root):
@@ -371,16 +375,16 @@ def test_real_cli_exit_code_and_stderr(tmp_path, root):
 
 
 def test_a_signal_cuts_evaluation_short_but_not_training():
-    stop = train.StopFlag()
+    stop = cli.StopFlag()
     restore = stop.install()
     try:
         os.kill(os.getpid(), signal.SIGTERM)  # outside an interruptible section: only noted
         assert stop.reason == 'SIGTERM'
-        with pytest.raises(train.StopRequested):
+        with pytest.raises(cli.StopRequested):
             with stop.interruptible():  # none starts once a stop is requested
                 pass
         stop.reason = None
-        with pytest.raises(train.StopRequested):
+        with pytest.raises(cli.StopRequested):
             with stop.interruptible():
                 os.kill(os.getpid(), signal.SIGTERM)  # inside: raised at once
                 time.sleep(5)
@@ -554,7 +558,7 @@ def test_resume_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
 def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys):
     def disk_full(*args, **kwargs):
         raise OSError(28, 'No space left on device')
-    monkeypatch.setattr(train, 'write_sample_grid', disk_full)
+    monkeypatch.setattr(sample, 'write_grid', disk_full)
     assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
     captured = capsys.readouterr()
     assert captured.err.count('could not write the sample grid') == 2 and 'samples in' not in captured.out
@@ -573,7 +577,7 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
             offset[0] += 1000.0
             return real(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(train, 'write_sample_grid', slow(train.write_sample_grid))
+    monkeypatch.setattr(sample, 'write_grid', slow(sample.write_grid))
     monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
     monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
     monkeypatch.setattr(sample, 'reference_statistics', slow(sample.reference_statistics))
@@ -604,31 +608,28 @@ def test_mfu_is_per_gpu(monkeypatch):
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
                                                    batch_size=8, device='cpu', out_dir='unused'), cpu)
     run = train.build_run(cfg, cpu, progress=False)
-    logger = train.Logger(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
-    logger.peak = 1.0  # TFLOP/s
-    logger.untimed_steps, logger.interval_start = 0, time.perf_counter() - 2.0
-    logger.interval(10, 10, 0.5)
-    row = logger.last
+    log = train.Metrics(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
+    log.peak = 1.0  # TFLOP/s
+    log.untimed_steps, log.interval_start = 0, time.perf_counter() - 2.0
+    row = log.train_row(10, 10, 0.5)
     assert row['img_per_s'] == pytest.approx(10 * 8 / 2.0, rel=0.01)  # the whole job's throughput
     assert row['img_per_s_per_gpu'] == pytest.approx(row['img_per_s'] / 2)
-    assert row['mfu'] == pytest.approx(row['img_per_s'] / 2 * logger.flops['train'] / 1e12)
+    assert row['mfu'] == pytest.approx(row['img_per_s'] / 2 * log.flops['train'] / 1e12)
+    assert not os.path.exists('unused')
 
 
-def test_no_import_cycles():
+def test_modules_import_only_the_layers_below_them():
+    # cli at the bottom; then the model, the maths and the data; sampling; training; the benchmark.
     import ast
-    project = {'model', 'diffusion', 'data', 'train', 'sample', 'benchmark'}
-    imports = {}
-    for name in project:
-        tree = ast.parse(open(os.path.join(os.path.dirname(train.__file__), f'{name}.py')).read())
+    layer = {'cli': 0, 'model': 1, 'diffusion': 1, 'data': 1, 'sample': 2, 'train': 3, 'benchmark': 4}
+    folder = os.path.dirname(train.__file__)
+    assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
+    for name in layer:
+        tree = ast.parse(open(os.path.join(folder, f'{name}.py')).read())
         found = {alias.name.split('.')[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
                  for alias in node.names} | {node.module.split('.')[0] for node in ast.walk(tree)
                                              if isinstance(node, ast.ImportFrom) and node.module}
-        imports[name] = found & project
-
-    def reaches(start, target, seen=()):
-        return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in imports[start])
-    assert not [name for name in project if reaches(name, name)]
-    assert imports['data'] == set() and imports['model'] == set() and imports['diffusion'] == set()
+        assert all(layer[other] < layer[name] for other in found & set(layer)), (name, found & set(layer))
 
 
 def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
@@ -689,7 +690,7 @@ def test_offline_evaluation_leaves_out_fid_with_one_warning(tmp_path, monkeypatc
     import sample
 
     def offline(weights, device):
-        raise train.ConfigError('FID needs the InceptionV3 weights, and downloading them failed')
+        raise cli.ConfigError('FID needs the InceptionV3 weights, and downloading them failed')
     monkeypatch.setattr(sample, 'inception_extractor', offline)
     assert run(tmp_path, '--steps', '10', '--eval-every', '40', *EVAL) == 0
     assert capsys.readouterr().err.count('FID is left out of the evaluations') == 1

@@ -2,8 +2,8 @@
 # The GPU measurements, as parts that each end well inside 10 minutes on one H100 and leave at
 # most 8 files (no checkpoints) in the output folder. Run from the repository root:
 #
-#   bash results/measure_gpu.sh PART OUT_DIR            # on the GPU machine
-#   bash results/measure_gpu.sh PART OUT_DIR --quick    # the same wiring on a CPU, tiny preset (tested)
+#   bash scripts/measure_gpu.sh PART OUT_DIR            # on the GPU machine
+#   bash scripts/measure_gpu.sh PART OUT_DIR --quick    # the same wiring on a CPU, tiny preset (tested)
 #
 # Parts, in the order of results/NOTES.md's playbook (the headline first):
 #   headline  the baseline, our fastest default-compile row and diffusers' UNet2DModel peer
@@ -23,7 +23,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #       diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0
 set -euo pipefail
-usage="usage: bash results/measure_gpu.sh headline|ladder|profile|gputests|autotune|graphs|quality|loaders|sweep|small|all OUT_DIR [--quick]"
+usage="usage: bash scripts/measure_gpu.sh headline|ladder|profile|gputests|autotune|graphs|quality|loaders|sweep|small|all OUT_DIR [--quick]"
 part=${1:?$usage}
 out=${2:?$usage}
 quick=${3:-}

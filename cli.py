@@ -1,0 +1,345 @@
+"""What every script's command line shares, written once.
+
+- A config dataclass becomes flags: `flag(default, help, ...)` fields, each with its help text,
+  choices and range; `parse_config` builds them, `check_ranges` checks the ranges.
+- Errors become one line and an exit code: `run_main` wraps every script's main (exit 2 for
+  bad input, 1 for a failed write such as a full disk, 130 for Ctrl-C, an error's own
+  `exit_code` otherwise).
+- Files are written whole or not at all: `atomic_open` / `atomic_path`.
+- A stop that lets the work finish its step: `StopFlag` (SIGTERM, Ctrl-C).
+- The device: `pick_device`, `synchronize`, `autocast`; plots without a display: `pyplot`, `save_figure`.
+- Ranks under torchrun: `setup_distributed`, `init_process_group` and the small collectives the
+  scripts agree through (`any_rank`, `on_all_ranks`, `gather_to_rank0`, `ranks_identical`).
+
+It sits at the bottom of the import graph: it imports none of the project's modules.
+"""
+import argparse
+import contextlib
+import math
+import os
+import signal
+import sys
+import typing
+from dataclasses import field, fields
+
+import torch
+import torch.distributed as dist
+
+
+class ConfigError(Exception):
+    """A bad flag or file: one line on stderr, exit code 2."""
+    exit_code = 2
+
+
+# ----------------------------------------------------------------------------- flags
+
+def flag(default, help, *, choices=None, at_least=None, at_most=None, below=None, positive=False):
+    """A config field with its --help text, its choices and its range: `at_least` <= value,
+    value <= `at_most` or value < `below`, or (positive) 0 < value. Floats must also be finite."""
+    bounds = {'at_least': at_least, 'at_most': at_most, 'below': below, 'positive': positive or None}
+    return field(default=default, metadata={'help': help, 'choices': choices,
+                                            'bounds': {k: v for k, v in bounds.items() if v is not None}})
+
+
+def range_text(bounds: dict) -> str:
+    """'at least 1', '0 or more', 'in [0, 1)', 'a positive number'."""
+    if bounds.get('positive'):
+        return 'a positive number'
+    low, high = bounds.get('at_least'), bounds.get('at_most', bounds.get('below'))
+    if high is None:
+        return f'at least {low}' if low else f'{low} or more'
+    return f"in [{low}, {high}{']' if 'at_most' in bounds else ')'}"
+
+
+def in_range(value, bounds: dict) -> bool:
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
+    return ((not bounds.get('positive') or value > 0)
+            and ('at_least' not in bounds or value >= bounds['at_least'])
+            and ('at_most' not in bounds or value <= bounds['at_most'])
+            and ('below' not in bounds or value < bounds['below']))
+
+
+def check_ranges(config):
+    """Every field's declared range, checked; a field left at None (a default still to be
+    resolved) is skipped. The first failure is a ConfigError naming the flag."""
+    for f in fields(config):
+        value, bounds = getattr(config, f.name), f.metadata.get('bounds')
+        if bounds and value is not None and not in_range(value, bounds):
+            raise ConfigError(f'{flag_name(f.name)} must be {range_text(bounds)}, got {value}')
+
+
+def flag_name(field_name: str) -> str:
+    return '--' + field_name.replace('_', '-')
+
+
+def build_parser(config_class, description: str) -> argparse.ArgumentParser:
+    """One flag per dataclass field, with its help text, choices and default. A bad flag is
+    one 'error:' line and exit code 2, as every other bad input."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    for f in fields(config_class):
+        kind = next((a for a in typing.get_args(f.type) if a is not type(None)), f.type)
+        text = f.metadata['help']
+        if f.metadata.get('bounds'):
+            text += f" ({range_text(f.metadata['bounds'])})"
+        if f.default is not None and 'default' not in text:
+            text += f' (default: {f.default})'
+        kwargs = dict(default=f.default, help=text)
+        if kind is bool:
+            kwargs['action'] = argparse.BooleanOptionalAction
+        else:
+            kwargs['type'] = kind
+        if f.metadata.get('choices'):
+            kwargs['choices'] = f.metadata['choices']
+        parser.add_argument(flag_name(f.name), **kwargs)
+
+    def usage_error(message):
+        print(f'error: {message}', file=sys.stderr)
+        sys.exit(2)
+    parser.error = usage_error
+    return parser
+
+
+def parse_config(argv, config_class, description: str = None):
+    """A config dataclass from command-line arguments (sys.argv when argv is None)."""
+    return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------- errors and exit codes
+
+def run_main(main, *args) -> int:
+    """main(*args) as a script runs it: 0 when it returns; our errors (ConfigError, data.DataError,
+    anything with an `exit_code`) as one 'error:' line and their code; a failed write (OSError:
+    a full disk, an unwritable file) as one line and 1; a Ctrl-C that got through as 130."""
+    try:
+        main(*args)
+    except KeyboardInterrupt:
+        print('aborted by Ctrl-C (files are written whole or not at all)', file=sys.stderr)
+        return 130
+    except OSError as error:
+        print(f'error: {brief(error, 300)}', file=sys.stderr)
+        return 1
+    except Exception as error:
+        code = getattr(error, 'exit_code', None)
+        if code is None:
+            raise  # a bug: the traceback is the useful report
+        print(f'error: {last_line(error)}', file=sys.stderr)
+        return code
+    return 0
+
+
+def last_line(error: Exception) -> str:
+    """Our error's message as one line, also when a DataLoader worker wrapped it in a traceback
+    (whose last line is 'DataError: <message>')."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[-1] if lines else type(error).__name__
+    return text.split(f'{type(error).__name__}: ', 1)[-1]
+
+
+def brief(error: Exception, limit: int = 160) -> str:
+    """A library's error, for quoting inside ours: its type and first line, cut to `limit`."""
+    lines = str(error).strip().splitlines()
+    text = f'{type(error).__name__}: {lines[0] if lines else ""}'.rstrip(': ')
+    return text if len(text) <= limit else text[:limit - 3] + '...'
+
+
+# ----------------------------------------------------------------------------- stopping
+
+class StopRequested(Exception):
+    """Raised by a signal inside an interruptible section (an evaluation, a grid)."""
+
+
+class StopFlag:
+    """Set by SIGTERM or Ctrl-C: the work finishes its step, saves and exits. A signal that
+    comes during an interruptible section (an evaluation, a grid) cuts it short, since a
+    preempted job has seconds, not minutes. A second Ctrl-C aborts at once."""
+
+    def __init__(self):
+        self.reason, self.in_interruptible = None, 0
+
+    def __call__(self, signum, frame):
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        if self.in_interruptible:
+            raise StopRequested(self.reason)
+
+    def install(self):
+        """Handles SIGTERM and SIGINT; returns the function that puts the old handlers back."""
+        previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
+        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+
+    def agreed(self, group, ask: bool):
+        """The stop the ranks agree on: this process's signal in one process; under DDP (a
+        control `group`) a signal to any rank, asked only when `ask` is true on every rank at
+        once, since each must take part."""
+        if group is None:
+            return self.reason
+        if ask and any_rank(self.reason is not None, group):
+            return self.reason or 'a signal on another rank'
+        return None
+
+    @contextlib.contextmanager
+    def interruptible(self):
+        """Work inside may be abandoned by a signal (StopRequested); none of it starts once a
+        stop is requested."""
+        if self.reason is not None:
+            raise StopRequested(self.reason)
+        self.in_interruptible += 1
+        try:
+            yield
+        finally:
+            self.in_interruptible -= 1
+
+
+# ----------------------------------------------------------------------------- files
+
+@contextlib.contextmanager
+def atomic_path(path: str):
+    """Yields PATH.tmp to write; once written it is flushed to disk and renamed over `path`, so
+    a crash leaves the previous file whole. If writing fails (a full disk), PATH.tmp is removed."""
+    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
+    tmp = path + '.tmp'
+    try:
+        yield tmp
+        with open(tmp, 'rb+') as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_open(path: str, mode: str = 'w'):
+    """open(path, mode) for writing, through atomic_path: the file appears whole or not at all."""
+    with atomic_path(path) as tmp, open(tmp, mode) as f:
+        yield f
+
+
+def check_writable(folder: str, flag: str):
+    """Creates the folder and writes a file in it, so that a bad path fails now, not after
+    hours of work."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        probe = os.path.join(folder, f'.write-test-{os.getpid()}')
+        with open(probe, 'w') as f:
+            f.write('ok')
+        os.remove(probe)
+    except OSError as error:
+        raise ConfigError(f'{flag} {folder}: cannot write there ({error.strerror or error})') from None
+
+
+# ----------------------------------------------------------------------------- the device
+
+def pick_device(name: str, local_rank: int = 0) -> torch.device:
+    """'auto' (CUDA when there is one), 'cpu', 'cuda' (this rank's GPU) or 'cuda:N'."""
+    if name == 'auto':
+        name = 'cuda' if torch.cuda.is_available() else 'cpu'
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ('cpu', 'cuda'):
+        raise ConfigError(f'--device {name}: unknown device; use cpu, cuda or cuda:N')
+    if device.type == 'cuda':
+        if not torch.cuda.is_available():
+            raise ConfigError(f'--device {name}: CUDA is not available here; use --device cpu')
+        if device.index is None:
+            device = torch.device('cuda', local_rank)
+        if device.index >= torch.cuda.device_count():
+            raise ConfigError(f'--device {name}: this machine has {torch.cuda.device_count()} GPU(s)')
+    return device
+
+
+def synchronize(device: torch.device):
+    """Waits for the device's queued work (a no-op on the CPU, where work is synchronous)."""
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def autocast(amp: str, device: torch.device):
+    """Autocast at 'bf16' or 'fp16'; 'off' runs as the weights are (fp32)."""
+    dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp)
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig, path: str, dpi: int = 100):
+    """Lays out a matplotlib figure, writes it as a PNG (whole or not at all) and closes it."""
+    fig.tight_layout()
+    with atomic_open(path, 'wb') as f:
+        fig.savefig(f, format='png', dpi=dpi)
+    pyplot().close(fig)
+
+
+# ----------------------------------------------------------------------------- ranks (torchrun)
+
+def setup_distributed():
+    """(rank, local_rank, world_size) from torchrun's environment; (0, 0, 1) without it."""
+    world_size = int(os.environ.get('WORLD_SIZE', 1))
+    if world_size == 1:
+        return 0, 0, 1
+    return int(os.environ['RANK']), int(os.environ['LOCAL_RANK']), world_size
+
+
+def init_process_group(device: torch.device, rank: int, world_size: int):
+    """NCCL (GPU) or gloo (CPU) for the gradients; returns a CPU group for control messages (a
+    stop, a start-up failure, gathered results), which then need no GPU synchronisation. None
+    in one process."""
+    if world_size == 1:
+        return None
+    if device.type == 'cuda':
+        torch.cuda.set_device(device)
+    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo', rank=rank, world_size=world_size)
+    return dist.new_group(backend='gloo')
+
+
+def any_rank(flag: bool, group) -> bool:
+    """Whether the flag is set on any rank (every rank must call); the flag itself in one process."""
+    if group is None:
+        return flag
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def on_all_ranks(make, group):
+    """make() on this rank; if it raised one of our errors (an `exit_code`) or an OSError on any
+    rank, every rank raises (a lone failure would leave the others waiting in a collective)."""
+    error = None
+    try:
+        result = make()
+    except Exception as failure:
+        if not (isinstance(failure, OSError) or hasattr(failure, 'exit_code')):
+            raise
+        error, result = failure, None
+    if any_rank(error is not None, group):
+        raise error or ConfigError('another rank failed during start-up (its error is above)')
+    return result
+
+
+def gather_to_rank0(values: tuple, rank: int, world_size: int, group) -> list:
+    """For each of the values, the list of every rank's on rank 0 (None elsewhere)."""
+    if world_size == 1:
+        return [[item] for item in values]
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(values, gathered, dst=0, group=group)
+    return [list(items) for items in zip(*gathered)] if rank == 0 else [None] * len(values)
+
+
+@torch.no_grad()
+def ranks_identical(model: torch.nn.Module, group) -> bool:
+    """Whether every rank's weights equal rank 0's, bit for bit."""
+    weights = torch.nn.utils.parameters_to_vector(model.parameters())
+    reference = weights.clone()
+    dist.broadcast(reference, src=0)
+    return not any_rank(not torch.equal(weights, reference), group)

@@ -1,0 +1,130 @@
+"""cli.py: the flags of every script (frozen), declared ranges, errors to exit codes, atomic writes."""
+import dataclasses
+import os
+import re
+
+import pytest
+
+import benchmark
+import cli
+import data
+import sample
+import train
+
+# Every script's flags, frozen: a refactor that drops or renames one turns this red.
+FLAGS = {
+    'train': ['--preset', '--dataset', '--data-dir', '--image-size', '--shapes-count', '--batch-size', '--epochs',
+              '--steps', '--lr', '--warmup', '--grad-clip', '--ema-decay', '--dropout', '--schedule', '--attention',
+              '--compile', '--no-compile', '--compile-mode', '--amp', '--channels-last', '--no-channels-last',
+              '--fused-adam', '--no-fused-adam', '--loader', '--num-workers', '--log-every', '--heldout-size',
+              '--sample-every', '--sampler', '--sample-steps', '--num-samples', '--eval-every', '--eval-fid',
+              '--no-eval-fid', '--eval-samples', '--eval-bpd-images', '--eval-bpd-timesteps', '--inception-weights',
+              '--ckpt-every', '--out-dir', '--samples-dir', '--resume', '--seed', '--device'],
+    'sample': ['--ckpt', '--num', '--sampler', '--steps', '--eta', '--variance', '--batch-size', '--out', '--format',
+               '--grid', '--no-grid', '--weights', '--seed', '--device', '--amp', '--compile', '--no-compile', '--fid',
+               '--no-fid', '--fid-data', '--data-dir', '--fid-stats', '--inception-weights', '--bpd', '--no-bpd',
+               '--bpd-data', '--bpd-num', '--bpd-timesteps'],
+    'benchmark': ['--preset', '--image-size', '--dataset', '--data-dir', '--num-images', '--device', '--batch-size',
+                  '--big-batch', '--amp-dtype', '--num-workers', '--warmup', '--iters', '--rows', '--from-row', '--tf32',
+                  '--no-tf32', '--stem', '--peer', '--no-peer', '--peak-tflops', '--peak-tflops-fp32', '--quick',
+                  '--no-quick', '--profile', '--no-profile', '--sweep', '--sweep-values', '--loader-only',
+                  '--no-loader-only', '--sampling', '--no-sampling', '--sampling-only', '--no-sampling-only',
+                  '--sample-batch', '--sample-compile-mode', '--quality', '--no-quality', '--steps', '--out-dir',
+                  '--seed'],
+    'data': ['--write-beton', '--dataset', '--data-dir', '--image-size', '--shapes-count', '--jpeg', '--no-jpeg',
+             '--jpeg-quality', '--num-workers'],
+}
+SCRIPTS = {'train': train.cli, 'sample': sample.cli, 'benchmark': benchmark.cli, 'data': data.main}
+
+
+@pytest.mark.parametrize('script', sorted(SCRIPTS))
+def test_help_lists_the_same_flags_as_before(script, capsys):
+    with pytest.raises(SystemExit) as exit:
+        SCRIPTS[script](['--help'])
+    assert exit.value.code == 0
+    listed = []
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith('  -'):  # an option's line: its invocation, then maybe its help after two spaces
+            listed += [f for f in re.findall(r'--[a-z0-9-]+', re.split(r'\s{2,}', line.strip())[0]) if f != '--help']
+    assert listed == FLAGS[script]
+
+
+@dataclasses.dataclass
+class Ranges:
+    count: int = cli.flag(1, 'a count', at_least=1)
+    every: int = cli.flag(0, '0: never', at_least=0)
+    rate: float | None = cli.flag(None, 'a rate', positive=True)
+    decay: float = cli.flag(0.5, 'a decay', at_least=0, below=1)
+    steps: int = cli.flag(5, 'steps', at_least=1, at_most=10)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('count', 0, '--count must be at least 1, got 0'),
+    ('every', -1, '--every must be 0 or more, got -1'),
+    ('rate', 0.0, '--rate must be a positive number, got 0.0'),
+    ('rate', float('inf'), '--rate must be a positive number, got inf'),
+    ('decay', 1.0, '--decay must be in [0, 1), got 1.0'),
+    ('decay', float('nan'), '--decay must be in [0, 1), got nan'),
+    ('steps', 11, '--steps must be in [1, 10], got 11'),
+])
+def test_declared_ranges_refuse_what_is_outside(field, value, message):
+    with pytest.raises(cli.ConfigError) as error:
+        cli.check_ranges(dataclasses.replace(Ranges(), **{field: value}))
+    assert str(error.value) == message
+
+
+def test_declared_ranges_accept_their_edges_and_unresolved_defaults():
+    cli.check_ranges(Ranges(count=1, every=0, rate=None, decay=0.0, steps=10))
+    cli.check_ranges(Ranges(rate=1e-300, decay=0.999999, steps=1))
+    assert '(in [0, 1))' in cli.build_parser(Ranges, '').format_help()  # the range is in --help
+
+
+class Broken(Exception):
+    exit_code = 7
+
+
+@pytest.mark.parametrize('error, code, line', [
+    (cli.ConfigError('--x: bad'), 2, 'error: --x: bad'),
+    (data.DataError('Caught DataError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n'
+                    '  File "x.py", line 1\ndata.DataError: cannot read image a.png'), 2,
+     'error: cannot read image a.png'),
+    (train.NonFiniteLoss('the loss became nan'), 3, 'error: the loss became nan'),
+    (Broken('custom'), 7, 'error: custom'),
+    (OSError(28, 'No space left on device'), 1, 'error: OSError: [Errno 28] No space left on device'),
+    (KeyboardInterrupt(), 130, 'aborted by Ctrl-C (files are written whole or not at all)'),
+])
+def test_errors_become_one_line_and_their_exit_code(capsys, error, code, line):
+    def main():
+        raise error
+    assert cli.run_main(main) == code
+    assert capsys.readouterr().err.splitlines() == [line]
+
+
+def test_a_bug_keeps_its_traceback():
+    def main():
+        raise ZeroDivisionError('a bug')
+    with pytest.raises(ZeroDivisionError):
+        cli.run_main(main)
+    assert cli.run_main(lambda: None) == 0
+
+
+def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
+    path = str(tmp_path / 'out' / 'report.json')  # the folder is created
+    with cli.atomic_open(path) as f:
+        f.write('first')
+    with pytest.raises(OSError):
+        with cli.atomic_open(path) as f:
+            f.write('half of the seco')
+            raise OSError(28, 'No space left on device')
+    assert open(path).read() == 'first' and os.listdir(tmp_path / 'out') == ['report.json']  # no .tmp left
+    with cli.atomic_open(path, 'wb') as f:
+        f.write(b'second')
+    assert open(path).read() == 'second' and os.listdir(tmp_path / 'out') == ['report.json']
+
+
+def test_unwritable_folder_is_a_config_error(tmp_path):
+    (tmp_path / 'a-file').write_text('')
+    with pytest.raises(cli.ConfigError, match='--out a-file/sub: cannot write there|cannot write there'):
+        cli.check_writable(str(tmp_path / 'a-file' / 'sub'), '--out')
+    cli.check_writable(str(tmp_path / 'new' / 'sub'), '--out')
+    assert os.listdir(tmp_path / 'new' / 'sub') == []  # the probe file is gone
