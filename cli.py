@@ -5,7 +5,8 @@
 - Errors become one line and an exit code: `run_main` wraps every script's main (exit 2 for
   bad input, 1 for a failed write such as a full disk, 130 for Ctrl-C, an error's own
   `exit_code` otherwise).
-- Files are written whole or not at all: `atomic_open` / `atomic_path`.
+- Files are written whole or not at all: `atomic_open` / `atomic_path`; one run per output
+  folder: `claim_folder`.
 - A stop that lets the work finish its step: `StopFlag` (SIGTERM, Ctrl-C).
 - The device: `pick_device`, `synchronize`, `autocast`; plots without a display: `pyplot`, `save_figure`.
 - Ranks under torchrun: `setup_distributed`, `init_process_group` and the small collectives the
@@ -15,9 +16,15 @@ It sits at the bottom of the import graph: it imports none of the project's modu
 """
 import argparse
 import contextlib
+import datetime
+import errno
+import glob
+import json
 import math
 import os
+import shutil
 import signal
+import socket
 import sys
 import typing
 from dataclasses import field, fields
@@ -103,6 +110,20 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
 def parse_config(argv, config_class, description: str = None):
     """A config dataclass from command-line arguments (sys.argv when argv is None)."""
     return config_class(**vars(build_parser(config_class, description).parse_args(argv)))
+
+
+def changed_fields(config) -> set:
+    """The fields whose value differs from their default (what a command line would have given)."""
+    return {f.name for f in fields(config) if getattr(config, f.name) != f.default}
+
+
+def given_fields(argv, config_class) -> set:
+    """The fields whose flags the command line gives (whatever their value), as opposed to
+    those left at their defaults."""
+    parser = build_parser(config_class, None)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 # ----------------------------------------------------------------------------- errors and exit codes
@@ -195,15 +216,17 @@ class StopFlag:
 # ----------------------------------------------------------------------------- files
 
 @contextlib.contextmanager
-def atomic_path(path: str):
-    """Yields PATH.tmp to write; once written it is flushed to disk and renamed over `path`, so
-    a crash leaves the previous file whole. If writing fails (a full disk), PATH.tmp is removed."""
+def atomic_path(path: str, durable: bool = True):
+    """Yields PATH.tmp to write; once written it is renamed over `path`, so a crash leaves the
+    previous file whole. `durable`: flushed to disk first (so a power loss cannot leave an empty
+    file either), as checkpoints must be. If writing fails (a full disk), PATH.tmp is removed."""
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
     tmp = path + '.tmp'
     try:
         yield tmp
-        with open(tmp, 'rb+') as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, 'rb+') as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -212,10 +235,86 @@ def atomic_path(path: str):
 
 
 @contextlib.contextmanager
-def atomic_open(path: str, mode: str = 'w'):
+def atomic_open(path: str, mode: str = 'w', durable: bool = True):
     """open(path, mode) for writing, through atomic_path: the file appears whole or not at all."""
-    with atomic_path(path) as tmp, open(tmp, mode) as f:
+    with atomic_path(path, durable) as tmp, open(tmp, mode) as f:
         yield f
+
+
+def claim_folder(folder: str, flag: str, leftovers: tuple = ()):
+    """One run per output folder. Creates FOLDER/lock (pid, host, start time) or refuses with a
+    ConfigError naming the run that holds it; the lock of a dead process on this host is taken
+    over. Then removes the temporary files (glob patterns `leftovers`, such as 'ckpt.pt.tmp')
+    that a killed run left, since no live run writes them now, and checks that the folder is
+    writable. Returns the function that releases the lock."""
+    path = os.path.join(folder, 'lock')
+    me = {'pid': os.getpid(), 'host': socket.gethostname(),
+          'started': datetime.datetime.now().isoformat(timespec='seconds')}
+    try:
+        os.makedirs(folder, exist_ok=True)
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        holder = _lock_holder(path)
+        if not _dead_here(holder):
+            raise ConfigError(f"{flag} {folder} is in use by another run (pid {holder.get('pid', '?')} on "
+                              f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it, stop "
+                              f"it or pass another {flag} (if no run uses it, delete {path})") from None
+        print(f"{path}: taking over the lock of pid {holder['pid']}, which is no longer running", flush=True)
+        os.remove(path)
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError as error:
+        raise ConfigError(f'{flag} {folder}: cannot write there ({error.strerror or error})') from None
+    with os.fdopen(descriptor, 'w') as f, contextlib.suppress(OSError):  # a full disk: an empty lock still locks
+        f.write(json.dumps(me))
+
+    def release():
+        if _lock_holder(path).get('pid') in (me['pid'], None):
+            with contextlib.suppress(OSError):
+                os.remove(path)
+    try:
+        for pattern in leftovers:
+            for tmp in glob.glob(os.path.join(glob.escape(folder), pattern)):
+                os.remove(tmp)
+                print(f'removed {tmp}, left by a write that did not finish (the file it was to replace is whole)',
+                      flush=True)
+        check_writable(folder, flag)
+    except BaseException:
+        release()
+        raise
+    return release
+
+
+def _lock_holder(path: str) -> dict:
+    try:
+        with open(path) as f:
+            holder = json.load(f)
+        return holder if isinstance(holder, dict) else {}
+    except (OSError, ValueError):
+        return {}  # unreadable, or empty: written by a run on a full disk
+
+
+def _dead_here(holder: dict) -> bool:
+    """Whether the lock's process is known to be gone: it ran on this host and no longer runs."""
+    if holder.get('host') != socket.gethostname() or not isinstance(holder.get('pid'), int):
+        return False
+    try:
+        os.kill(holder['pid'], 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False  # alive, another user's
+    return False
+
+
+def disk_full_error(path: str, error: Exception) -> OSError:
+    """The OSError to raise for a write that failed, saying how much room is left."""
+    try:
+        free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    except OSError:
+        free = None
+    room = f'{free / 1e9:.2f} GB free there' if free is not None else 'free space unknown'
+    code = errno.ENOSPC if free is not None and free < 1e8 else errno.EIO
+    return OSError(code, f'writing {path} failed ({brief(error, 200)}); {room}')
 
 
 def check_writable(folder: str, flag: str):
@@ -257,6 +356,12 @@ def synchronize(device: torch.device):
     """Waits for the device's queued work (a no-op on the CPU, where work is synchronous)."""
     if device.type == 'cuda':
         torch.cuda.synchronize(device)
+
+
+def own_rng(device: torch.device):
+    """Work inside draws from the global RNGs (CPU, and the device's) without moving them: what
+    evaluation builds or draws leaves the training run's random streams where they were."""
+    return torch.random.fork_rng(devices=[device] if device.type == 'cuda' else [])
 
 
 def autocast(amp: str, device: torch.device):

@@ -243,6 +243,17 @@ def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
 
 
+def first_image(dataset: Dataset, image_size: int, data_dir: str) -> torch.Tensor:
+    """The set's first image, decoded once (decoding is not free for a folder or a .beton), after
+    checking that the set holds images of --image-size."""
+    first = dataset[0]
+    stored = tuple(first.shape[-2:])
+    if stored != (image_size, image_size):
+        raise DataError(f'the images of {data_dir} are {stored[0]}x{stored[1]}, not --image-size {image_size}: '
+                        f'pass --image-size {stored[0]} or rewrite the .beton')
+    return first
+
+
 def load_heldout(name: str, data_dir: str, image_size: int, count: int) -> torch.Tensor:
     """A fixed set of images for the held-out loss: CIFAR-10's test split, shapes from another
     seed, or, for a folder or .beton (no split), its first `count` images."""

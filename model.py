@@ -13,14 +13,16 @@ diffusers' UNet2DModel in the configuration of google/ddpm-cifar10-32 is the sam
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, replace
+import sys
+import zipfile
+from dataclasses import asdict, dataclass, fields, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from cli import ConfigError, atomic_open, brief
+from cli import ConfigError, atomic_open, brief, disk_full_error
 
 NORM_EPS = 1e-6  # tf.contrib.layers.group_norm's default, used by the paper's code
 ZERO_INIT_SCALE = 1e-10  # the paper's default_init(scale=0.): variance scaling at 1e-10, not exact zeros
@@ -503,14 +505,28 @@ def diffusers_folder(path: str) -> str:
 
 
 def _read_weights(folder: str) -> dict:
+    """The state dict of a UNet2DModel folder; a file that cannot be read is a DiffusersConfigError
+    naming it (safetensors' and pickle's own errors would be tracebacks)."""
     safetensors = os.path.join(folder, 'diffusion_pytorch_model.safetensors')
-    if os.path.isfile(safetensors):
-        from safetensors.torch import load_file
-        return load_file(safetensors)
     bin_path = os.path.join(folder, 'diffusion_pytorch_model.bin')
-    if os.path.isfile(bin_path):
-        return torch.load(bin_path, map_location='cpu', weights_only=True)
-    raise FileNotFoundError(f'{folder}: neither diffusion_pytorch_model.safetensors nor .bin is there')
+    if os.path.isfile(safetensors):
+        try:
+            from safetensors.torch import load_file
+        except ImportError:
+            raise DiffusersConfigError(f'{safetensors}: reading it needs the safetensors package '
+                                       f'(pip install safetensors)') from None
+        path, read = safetensors, load_file
+    elif os.path.isfile(bin_path):
+        path, read = bin_path, lambda p: torch.load(p, map_location='cpu', weights_only=True)
+    else:
+        raise FileNotFoundError(f'{folder}: neither diffusion_pytorch_model.safetensors nor .bin is there')
+    try:
+        weights = read(path)
+    except Exception as error:
+        raise DiffusersConfigError(f'{path}: not readable weights ({brief(error)})') from None
+    if not isinstance(weights, dict):
+        raise DiffusersConfigError(f'{path}: holds a {type(weights).__name__}, not a state dict')
+    return weights
 
 
 def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
@@ -536,8 +552,15 @@ def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
 # (image count and fingerprint), 'train_seconds' and 'eval_owed'. train.checkpoint_state
 # writes it, train.restore reads it back.
 CHECKPOINT_REQUIRED = ('model', 'ema', 'config', 'model_config')
-# The settings a resumed run must share with its checkpoint to continue exactly.
+# The resume rule. A resumed run replays the settings given to the run (its 'flags'), with those
+# given at the resume on top, except where it resumes from and where its files go (by default
+# the checkpoint's folder). Given with another value: refused (an exact resume needs them), or
+# applied with a warning (the run then differs from an uninterrupted one), or applied (the rest:
+# length, logging, outputs, speed). Settings that 'auto' resolves per device are resolved again.
+NOT_REPLAYED = ('resume', 'out_dir')
 RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout')
+CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp')
+RESOLVED_PER_DEVICE = ('amp', 'compile', 'channels_last', 'fused_adam', 'loader')
 
 
 def resume_path(resume: str, out_dir: str) -> str:
@@ -556,11 +579,57 @@ def resume_path(resume: str, out_dir: str) -> str:
     return resume
 
 
+def resume_settings(cfg, given: set) -> tuple:
+    """(config, flags, checkpoint or None) of train.py's config `cfg` whose fields `given` were
+    set on the command line. A resumed run replays the checkpoint's flags with the given ones on
+    top, so `train.py --resume PATH` alone continues the run as it was, in PATH's folder; `flags`
+    is what the next checkpoint saves for the next resume."""
+    if cfg.resume not in ('', 'auto') and 'out_dir' not in given:
+        cfg = replace(cfg, out_dir=os.path.dirname(cfg.resume) or '.')
+    cfg = replace(cfg, resume=resume_path(cfg.resume, cfg.out_dir))
+    now = {name: getattr(cfg, name) for name in sorted(given) if name not in NOT_REPLAYED}
+    if not cfg.resume:
+        return cfg, now, None
+    ckpt = read_checkpoint(cfg.resume, f'--resume {cfg.resume}')
+    saved = ckpt.get('flags')
+    if saved is None:  # a checkpoint from before flags were saved: its settings, less those resolved per device
+        saved = {k: v for k, v in ckpt['config'].items() if k not in NOT_REPLAYED + RESOLVED_PER_DEVICE}
+    flags = {k: v for k, v in {**saved, **now}.items() if k in {f.name for f in fields(cfg)}}
+    return type(cfg)(**flags, resume=cfg.resume, out_dir=cfg.out_dir), flags, ckpt
+
+
+def warn_of_changes(ckpt: dict, cfg):
+    """A warning for each CHANGED_WITH_WARNING setting of the resumed run (resolved) that
+    differs from the checkpoint's."""
+    for name in CHANGED_WITH_WARNING:
+        if ckpt['config'].get(name) != getattr(cfg, name):
+            print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint's: "
+                  f"{ckpt['config'][name]}): the resumed run trains on with it, and will differ from an uninterrupted "
+                  f"one", file=sys.stderr)
+
+
+def already_done(ckpt: dict, cfg) -> dict | None:
+    """If the checkpoint holds the run's last step (--steps, or --epochs whole epochs), says so
+    and returns the result of a run with nothing left to do; else None."""
+    if (ckpt['step'] < cfg.steps) if cfg.steps else (ckpt['epoch'] < cfg.epochs):
+        return None
+    target = f'--steps {cfg.steps}' if cfg.steps else f'--epochs {cfg.epochs}'
+    past = ckpt['step'] > cfg.steps if cfg.steps else (ckpt['epoch'], ckpt['batch_in_epoch']) > (cfg.epochs, 0)
+    print(f"{cfg.resume} holds step {ckpt['step']} (epoch {ckpt['epoch']}, batch {ckpt['batch_in_epoch']}), "
+          f"{'past' if past else 'at'} the target {target}: nothing to train. Raise {target.split()[0]} to "
+          f"train on.", flush=True)
+    return {'step': ckpt['step'], 'stopped': None, 'last': {}, 'checkpoint': cfg.resume, 'already_done': True}
+
+
 def save_checkpoint(state: dict, path: str):
     """torch.save through a temporary file and a rename: a crash mid-write leaves the previous
-    checkpoint whole, and a failed write (a full disk) leaves no partial file."""
-    with atomic_open(path, 'wb') as f:
-        torch.save(state, f)
+    checkpoint whole, and a failed write (a full disk) leaves no partial file and is an OSError
+    (torch's writer reports it as a RuntimeError)."""
+    try:
+        with atomic_open(path, 'wb') as f:
+            torch.save(state, f)
+    except RuntimeError as error:
+        raise disk_full_error(path, error) from None
 
 
 def read_checkpoint(path: str, what: str) -> dict:
@@ -569,6 +638,8 @@ def read_checkpoint(path: str, what: str) -> dict:
     one-line ConfigError starting with `what` (such as '--resume PATH')."""
     if not os.path.isfile(path):
         raise ConfigError(f'{what}: no such checkpoint')
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise ConfigError(f'{what}: not a train.py checkpoint (not a file written by torch.save)')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as error:

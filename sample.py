@@ -6,19 +6,24 @@
     python sample.py --ckpt runs/ckpt.pt --bpd --bpd-num 10000            # bits/dim on CIFAR-10 test
 
 Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast and
-torch.compile on CUDA. FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible
-network); its weights download on first use, or come from --inception-weights offline.
+torch.compile on CUDA. Images go to disk batch by batch as they are drawn; SIGTERM or Ctrl-C
+stops after the batch under way, and the same command continues (OUT/samples.json records the
+settings). FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible network); its
+weights download on first use, or come from --inception-weights offline.
 It also holds the evaluation that train.py runs during training (held-out loss, FID and
 bits/dim of the EMA, curves.png), since it reuses the code above.
-Exit codes: 0 done, 1 a write failed, 2 bad input.
+Exit codes: 0 done (or stopped with what was drawn written), 1 a write failed, 2 bad input, 3
+the model drew NaN or inf.
 """
 import copy
 import json
 import math
 import os
+import shutil
 import sys
 import time
 import typing
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,8 +33,8 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from cli import (ConfigError, atomic_open, autocast, brief, check_ranges, check_writable, flag, gather_to_rank0,
-                 parse_config, pick_device, pyplot, run_main, save_figure)
+from cli import (ConfigError, StopFlag, atomic_open, atomic_path, autocast, brief, check_ranges, check_writable,
+                 claim_folder, flag, gather_to_rank0, parse_config, pick_device, pyplot, run_main, save_figure)
 from model import (DiffusersConfigError, UNetConfig, count_flops, diffusers_folder, load_diffusers,
                    model_from_checkpoint, read_checkpoint)
 
@@ -73,16 +78,19 @@ class SampleConfig:
 def load_model(path: str, weights: str, device) -> tuple:
     """(model in eval mode, its UNetConfig, its diffusion.Schedule) from a train.py checkpoint
     or a diffusers folder."""
+    what = f'--ckpt {path}'
     if os.path.isdir(path):
         model, sched = load_diffusers_folder(path)
-        return model.to(device).requires_grad_(False), model.config, sched
-    what = f'--ckpt {path}'
-    ckpt = read_checkpoint(path, what)
-    model = model_from_checkpoint(ckpt, weights, what)
-    try:
-        sched = diffusion.make_schedule(1000, ckpt['config']['schedule'])
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigError(f'{what}: not a train.py checkpoint (its schedule: {brief(error)})') from None
+    else:
+        ckpt = read_checkpoint(path, what)
+        model = model_from_checkpoint(ckpt, weights, what)
+        try:
+            sched = diffusion.make_schedule(1000, ckpt['config']['schedule'])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ConfigError(f'{what}: not a train.py checkpoint (its schedule: {brief(error)})') from None
+    if not all(p.isfinite().all() for p in model.parameters()):
+        raise ConfigError(f'{what}: its {weights} weights are not finite (NaN or inf), so every sample would be; '
+                          f'sample an earlier checkpoint')
     return model.to(device).requires_grad_(False), model.config, sched
 
 
@@ -124,28 +132,45 @@ def sampling_amp(amp: str, device: torch.device) -> str:
     return ('bf16' if device.type == 'cuda' else 'off') if amp == 'auto' else amp
 
 
+class NonFiniteSamples(Exception):
+    """The model drew NaN or inf (a diverged model): one line, exit code 3; the batch is not written."""
+    exit_code = 3
+
+
 def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
-         progress=True, rank: int = 0, world_size: int = 1) -> typing.Iterator[torch.Tensor]:
+         progress=True, rank: int = 0, world_size: int = 1, batches: list = None) -> typing.Iterator[torch.Tensor]:
     """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
     the device. With world_size > 1 this rank draws batches rank, rank + world_size, ...: the
-    ranks together draw exactly the images one process would."""
+    ranks together draw exactly the images one process would. `batches`: only these indices."""
     sched = sched.to(device)
     size = config.image_size
-    starts = list(range(0, cfg.num, cfg.batch_size))[rank::world_size]
+    if batches is None:
+        batches = list(range(math.ceil(cfg.num / cfg.batch_size)))[rank::world_size]
+    starts = [index * cfg.batch_size for index in batches]
     bar = tqdm(total=sum(min(cfg.batch_size, cfg.num - s) for s in starts), desc=f'{cfg.sampler} sampling',
                unit='img', disable=not progress, leave=False)
-    for start in starts:
-        shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
-        seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
-        generator = torch.Generator(device).manual_seed(seed)
-        with autocast(sampling_amp(cfg.amp, device), device):
-            if cfg.sampler == 'ddpm':
-                x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
-            else:
-                x = diffusion.ddim_sample(model, sched, shape, cfg.steps, cfg.eta, generator, device)
-        bar.update(shape[0])
-        yield to_uint8(x)
-    bar.close()
+    try:
+        for start in starts:
+            yield draw_batch(model, sched, cfg, device, start, size)
+            bar.update(min(cfg.batch_size, cfg.num - start))
+    finally:  # also when a batch fails: the bar's line is cleared before the error is printed
+        bar.close()
+
+
+def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, start: int, size: int) -> torch.Tensor:
+    """The batch holding images start, start + 1, ... as uint8 (B, 3, H, W); refused if non-finite."""
+    shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
+    seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
+    generator = torch.Generator(device).manual_seed(seed)
+    with autocast(sampling_amp(cfg.amp, device), device):
+        if cfg.sampler == 'ddpm':
+            x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
+        else:
+            x = diffusion.ddim_sample(model, sched, shape, cfg.steps, cfg.eta, generator, device)
+    if not x.isfinite().all():
+        raise NonFiniteSamples(f'the model drew NaN or inf in batch {start // cfg.batch_size} (images {start} '
+                               f'to {start + shape[0] - 1}): it has diverged; nothing of that batch is written')
+    return to_uint8(x)
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
@@ -153,28 +178,149 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
     return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
 
 
-def write_images(images: torch.Tensor, cfg: SampleConfig):
-    from torchvision.utils import save_image
-    os.makedirs(cfg.out, exist_ok=True)
-    if cfg.grid:
-        path = os.path.join(cfg.out, 'grid.png')
-        save_image(images.float() / 255, path, nrow=max(1, int(math.sqrt(len(images)))))
-    elif cfg.format == 'npz':
-        path = os.path.join(cfg.out, f'samples_{len(images)}x{images.shape[-1]}.npz')
-        np.savez(path, arr_0=images.permute(0, 2, 3, 1).numpy())
-    else:
-        from PIL import Image
-        for i, image in enumerate(images.permute(0, 2, 3, 1).numpy()):
-            Image.fromarray(image).save(os.path.join(cfg.out, f'{i:06d}.png'))
-        path = os.path.join(cfg.out, f'{0:06d}.png ... {len(images) - 1:06d}.png')
+# ----------------------------------------------------------------------------- writing samples
+
+MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
+GRID_LIMIT = 4096  # images in one --grid PNG (it is held in memory)
+SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'variance', 'batch_size', 'format', 'seed', 'amp')
+
+
+def sample_settings(cfg: SampleConfig) -> dict:
+    """What decides the images: the checkpoint (its path, size and time) and the sampling flags."""
+    stat = os.stat(cfg.ckpt)
+    return {'ckpt': os.path.realpath(cfg.ckpt), 'ckpt_bytes': stat.st_size, 'ckpt_mtime_ns': stat.st_mtime_ns,
+            **{name: getattr(cfg, name) for name in SETTINGS}}
+
+
+def batch_paths(cfg: SampleConfig, index: int) -> list:
+    """The files batch `index` is written to: its PNGs, or its part of the .npz."""
+    if cfg.format == 'npz':
+        return [os.path.join(cfg.out, 'parts', f'batch_{index:06d}.npy')]
+    first = index * cfg.batch_size
+    return [os.path.join(cfg.out, f'{i:06d}.png') for i in range(first, min(first + cfg.batch_size, cfg.num))]
+
+
+def npz_path(cfg: SampleConfig, size: int) -> str:
+    return os.path.join(cfg.out, f'samples_{cfg.num}x{size}.npz')
+
+
+def write_batch(images: torch.Tensor, paths: list, fmt: str):
+    """One batch of uint8 (B, 3, H, W) images, each file written whole or not at all."""
+    from PIL import Image
+    pixels = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
+    if fmt == 'npz':
+        with atomic_open(paths[0], 'wb', durable=False) as f:
+            np.save(f, pixels)
+        return
+    for path, image in zip(paths, pixels):
+        with atomic_open(path, 'wb', durable=False) as f:
+            Image.fromarray(image).save(f, format='png')
+
+
+def assemble_npz(cfg: SampleConfig, size: int, num_batches: int) -> str:
+    """The parts, in order, as one uint8 (N, H, W, 3) array 'arr_0' of an .npz, streamed: memory
+    holds one part at a time."""
+    path = npz_path(cfg, size)
+    header = {'descr': '|u1', 'fortran_order': False, 'shape': (cfg.num, size, size, 3)}
+    with atomic_path(path) as tmp, zipfile.ZipFile(tmp, 'w') as archive, \
+            archive.open('arr_0.npy', 'w', force_zip64=True) as f:
+        np.lib.format.write_array_header_1_0(f, header)
+        for index in range(num_batches):
+            f.write(np.load(batch_paths(cfg, index)[0]).tobytes())
+    shutil.rmtree(os.path.join(cfg.out, 'parts'))
     return path
+
+
+def written_batches(cfg: SampleConfig, size: int) -> typing.Iterator[torch.Tensor]:
+    """The samples on disk, as uint8 (B, 3, H, W) batches: what FID measures (and what any other
+    tool would read)."""
+    from PIL import Image
+    if cfg.format == 'png':
+        for index in range(math.ceil(cfg.num / cfg.batch_size)):
+            images = []
+            for path in batch_paths(cfg, index):
+                with Image.open(path) as image:
+                    images.append(torch.from_numpy(np.asarray(image.convert('RGB')).copy()).permute(2, 0, 1))
+            yield torch.stack(images)
+        return
+    with zipfile.ZipFile(npz_path(cfg, size)) as archive, archive.open('arr_0.npy') as f:
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
+        count = read_header(f)[0][0]
+        for start in range(0, count, cfg.batch_size):
+            n = min(cfg.batch_size, count - start)
+            yield torch.from_numpy(np.frombuffer(f.read(n * size * size * 3), np.uint8).reshape(n, size, size, 3)
+                                   .copy()).permute(0, 3, 1, 2)
+
+
+def continue_or_start(cfg: SampleConfig, size: int) -> list:
+    """The batches still to draw in --out. A folder holding samples of other settings (its
+    samples.json) is refused; one of the same settings is continued where it stopped."""
+    settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
+    batches = range(math.ceil(cfg.num / cfg.batch_size))
+    todo = list(batches)
+    if os.path.isfile(path):
+        try:
+            with open(path) as f:
+                saved = json.load(f)
+        except ValueError:
+            saved = {}
+        differing = [f'{k} {saved.get(k)!r}, now {v!r}' for k, v in settings.items() if saved.get(k) != v]
+        if differing:
+            raise ConfigError(f"--out {cfg.out} holds samples drawn with other settings ({'; '.join(differing[:3])}): "
+                              f"pass another --out, or empty that one")
+        # A batch's files are written in order, each whole: its last file is there once all are.
+        todo = [] if cfg.format == 'npz' and os.path.isfile(npz_path(cfg, size)) else \
+            [b for b in batches if not os.path.isfile(batch_paths(cfg, b)[-1])]
+    else:
+        with atomic_open(path) as f:
+            json.dump(settings, f, indent=1)
+    count = sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
+    need = count * size * size * 3 * 2 if cfg.format == 'npz' else count * max(size * size * 3, 4096)
+    free = shutil.disk_usage(cfg.out).free
+    if need > free:
+        raise ConfigError(f'--num {cfg.num}: the samples need about {need / 1e9:.1f} GB and {cfg.out} has '
+                          f'{free / 1e9:.1f} GB free: pass a smaller --num or another --out')
+    return todo
+
+
+def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
+    """Draws the batches --out still lacks, writing each as soon as it is drawn (memory: one
+    batch); a rerun with the same arguments continues a stopped run, with the images one run
+    would have drawn. SIGTERM or Ctrl-C: the batch under way is drawn and written, then the run
+    stops (exit 0). The .npz is assembled once every batch is on disk."""
+    size, num_batches = config.image_size, math.ceil(cfg.num / cfg.batch_size)
+    todo = continue_or_start(cfg, size)
+    stop, drawn, start = StopFlag(), 0, time.perf_counter()
+    restore_signals = stop.install()
+    try:
+        for index, images in zip(todo, draw(model, config, sched, cfg, device, batches=todo)):
+            write_batch(images, batch_paths(cfg, index), cfg.format)
+            drawn += len(images)
+            if stop.reason is not None:
+                break
+    finally:
+        restore_signals()
+    seconds = time.perf_counter() - start
+    complete = drawn == sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
+    path = cfg.out
+    if complete:
+        path = (npz_path(cfg, size) if os.path.isfile(npz_path(cfg, size)) else assemble_npz(cfg, size, num_batches)
+                ) if cfg.format == 'npz' else os.path.join(cfg.out, f'{0:06d}.png ... {cfg.num - 1:06d}.png')
+    return {'images': drawn, 'seconds': seconds, 'complete': complete, 'stopped': None if complete else stop.reason,
+            'path': path}
+
+
+def write_grid_png(images: torch.Tensor, path: str):
+    from torchvision.utils import save_image
+    with atomic_open(path, 'wb') as f:
+        save_image(images.float() / 255, f, format='png', nrow=max(1, int(math.sqrt(len(images)))))
 
 
 @torch.no_grad()
 def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
     """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
     time (seed cfg.seed), in cfg.amp, as one PNG."""
-    from torchvision.utils import save_image
     shape = (cfg.num_samples, 3, cfg.image_size, cfg.image_size)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     with autocast(cfg.amp, device):
@@ -182,8 +328,7 @@ def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
             images = diffusion.ddpm_sample(model, sched, shape, generator, device)
         else:
             images = diffusion.ddim_sample(model, sched, shape, cfg.sample_steps, generator=generator, device=device)
-    os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    save_image((images.float() + 1) / 2, path, nrow=int(math.sqrt(cfg.num_samples)) or 1)
+    write_grid_png(to_uint8(images), path)
 
 
 # ----------------------------------------------------------------------------- FID
@@ -469,6 +614,8 @@ def validate(cfg: SampleConfig, sched: diffusion.Schedule):
         raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
         raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    if cfg.grid and cfg.num > GRID_LIMIT:
+        raise ConfigError(f'--grid draws at most {GRID_LIMIT} images into one PNG, got --num {cfg.num}')
     if not cfg.bpd or cfg.fid:  # images will be written
         check_writable(cfg.out, '--out')
 
@@ -490,19 +637,36 @@ def main(cfg: SampleConfig) -> dict:
     # The reference statistics first: a missing data set fails before the sampling, not after.
     reference = (reference_statistics(cfg.fid_data, cfg.data_dir, config.image_size, extractor, cfg.batch_size,
                                       cfg.fid_stats) if cfg.fid else None)
-    start = time.perf_counter()
-    images = torch.cat(list(draw(model, config, sched, cfg, device)))
-    seconds = time.perf_counter() - start
+    if cfg.grid:
+        start = time.perf_counter()
+        images = torch.cat(list(draw(model, config, sched, cfg, device)))
+        drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
+                 'path': os.path.join(cfg.out, 'grid.png')}
+        write_grid_png(images, drawn['path'])
+        on_disk = images.split(cfg.batch_size)
+    else:
+        leftovers = ('[0-9]*.png.tmp', '*.npz.tmp', 'parts/batch_*.npy.tmp', MANIFEST + '.tmp')
+        release_lock = claim_folder(cfg.out, '--out', leftovers)
+        try:
+            drawn = stream_samples(model, config, sched, cfg, device)
+        finally:
+            release_lock()
+        on_disk = written_batches(cfg, config.image_size)
+    result.update(drawn)
     steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
-    flops = count_flops(config)['forward'] * steps * len(images)
-    result.update(images=len(images), seconds=seconds, img_per_s=len(images) / seconds,
-                  tflops=flops / seconds / 1e12, path=write_images(images, cfg))
-    print(f"{len(images)} images ({cfg.sampler}, {steps} steps) in {seconds:.1f}s: {result['img_per_s']:.1f} img/s, "
-          f"{result['tflops']:.2f} TFLOP/s (first batch includes compilation); wrote {result['path']}")
+    if drawn['images'] and drawn['seconds'] > 0:
+        flops = count_flops(config)['forward'] * steps * drawn['images']
+        result.update(img_per_s=drawn['images'] / drawn['seconds'], tflops=flops / drawn['seconds'] / 1e12)
+        print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "
+              f"{result['img_per_s']:.1f} img/s, {result['tflops']:.2f} TFLOP/s (first batch includes compilation)")
+    if not drawn['complete']:
+        print(f"stopped by {drawn['stopped']}: {cfg.out} holds what was drawn; the same command continues it")
+        return result
+    print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
     if cfg.fid:
-        fake = statistics(features_of(tqdm(images.split(cfg.batch_size), desc='sample features'), extractor))
+        fake = statistics(features_of(tqdm(on_disk, desc='sample features', leave=False), extractor))
         result['fid'] = frechet_distance(fake, reference)
-        print(f"FID against {cfg.fid_data} ({len(images)} samples): {result['fid']:.3f}")
+        print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
     return result
 
 

@@ -29,11 +29,12 @@ from tqdm import tqdm
 import data
 import diffusion
 import sample
-from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief, check_ranges, check_writable,
-                 flag, gather_to_rank0, init_process_group, on_all_ranks, parse_config, pick_device, ranks_identical,
-                 run_main, setup_distributed, synchronize)
-from model import (MODEL_VERSION, PRESETS, UNet, check_resumable, check_same_data, count_flops, count_params,
-                   get_config, peak_tflops, precision_of, read_checkpoint, resume_path, save_checkpoint)
+from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields, check_ranges,
+                 check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group, on_all_ranks,
+                 own_rng, parse_config, pick_device, ranks_identical, run_main, setup_distributed, synchronize)
+from model import (MODEL_VERSION, PRESETS, UNet, already_done, check_resumable, check_same_data, count_flops,
+                   count_params, get_config, peak_tflops, precision_of, resume_settings, save_checkpoint,
+                   warn_of_changes)
 
 NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
@@ -59,16 +60,14 @@ class TrainConfig:
     ema_decay: float = flag(0.9999, 'EMA decay, ramped as min(decay, (1+step)/(10+step))', at_least=0, below=1)
     dropout: float | None = flag(None, 'dropout in residual blocks (default: the preset\'s)', at_least=0, below=1)
     schedule: str = flag('linear', 'beta schedule', choices=('linear', 'cosine'))
-    attention: str = flag('sdpa', 'attention kernel: sdpa (F.scaled_dot_product_attention) or manual',
+    attention: str = flag('sdpa', 'attention: F.scaled_dot_product_attention, or matmul-softmax-matmul',
                           choices=('sdpa', 'manual'))
     compile: bool | None = flag(None, 'torch.compile the model (default: on for CUDA)')
     compile_mode: str = flag('default', 'torch.compile mode', choices=COMPILE_MODES)
-    amp: str = flag('auto', 'autocast precision (auto: bf16 on CUDA, off on CPU)',
-                    choices=('auto', 'off', 'bf16', 'fp16'))
+    amp: str = flag('auto', 'autocast (auto: bf16 on CUDA, off on CPU)', choices=('auto', 'off', 'bf16', 'fp16'))
     channels_last: bool | None = flag(None, 'NHWC memory format (default: on for CUDA)')
     fused_adam: bool | None = flag(None, 'fused Adam kernel (default: on for CUDA)')
-    loader: str = flag('auto', 'data path (auto: gpu when the set fits on the GPU, else torch)',
-                       choices=data.LOADERS)
+    loader: str = flag('auto', 'data path (auto: gpu when the set fits on the GPU, else torch)', choices=data.LOADERS)
     num_workers: int = flag(4, 'DataLoader workers for --loader torch', at_least=0)
     log_every: int = flag(100, 'steps between metrics.jsonl lines (and held-out loss)', at_least=1)
     heldout_size: int = flag(256, 'images in the fixed held-out set (fixed timesteps and noise)', at_least=1)
@@ -145,6 +144,7 @@ class Run:
     data_identity: dict  # {'count', 'fingerprint'} of the training images, checked on resume
     stop: StopFlag = dataclasses.field(default_factory=StopFlag)
     control_group: typing.Any = None
+    flags: dict = dataclasses.field(default_factory=dict)  # the settings given, replayed by --resume
 
 
 def model_config_of(cfg: TrainConfig):
@@ -152,7 +152,7 @@ def model_config_of(cfg: TrainConfig):
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
-              stop=None, control_group=None) -> Run:
+              stop=None, control_group=None, flags=None) -> Run:
     """Model, EMA, optimizer, schedule and loader for a resolved config (see resolve_defaults).
     make_model(config) builds another network in place of ours (the benchmark's peer row)."""
     torch.manual_seed(cfg.seed)
@@ -160,11 +160,7 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
         torch.backends.cudnn.benchmark = True
     if dataset is None:
         dataset = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
-    first = dataset[0]  # decoding one image is not free (a folder, a .beton): once
-    stored = tuple(first.shape[-2:])
-    if stored != (cfg.image_size, cfg.image_size):
-        raise data.DataError(f'the images of {cfg.data_dir} are {stored[0]}x{stored[1]}, not --image-size '
-                             f'{cfg.image_size}: pass --image-size {stored[0]} or rewrite the .beton')
+    first = data.first_image(dataset, cfg.image_size, cfg.data_dir)
     loader_kind = data.choose_loader(cfg.loader, len(dataset) * first.numel(), device)
     loader = data.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
                               cfg.num_workers, rank, world_size, progress=progress)
@@ -182,7 +178,8 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
         net = torch.compile(net, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     sched = diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).to(device)
     return Run(cfg, device, rank, world_size, model, ema, net, optimizer, scaler, sched, loader, loader_kind,
-               {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}, stop or StopFlag(), control_group)
+               {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}, stop or StopFlag(), control_group,
+               flags or {})
 
 
 def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0) -> dict:
@@ -197,7 +194,7 @@ def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds
             'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
             'epoch': epoch, 'batch_in_epoch': batch, 'config': asdict(run.cfg),
             'model_config': asdict(run.model.config), 'model_version': MODEL_VERSION, 'rng': rng_all,
-            'data': run.data_identity, 'eval_owed': eval_owed, 'train_seconds': train_seconds}
+            'data': run.data_identity, 'eval_owed': eval_owed, 'train_seconds': train_seconds, 'flags': run.flags}
 
 
 def restore(run: Run, ckpt: dict) -> int:
@@ -257,7 +254,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     total_steps = cfg.steps or cfg.epochs * per_epoch
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     last_good = f'{cfg.resume} (step {step}, resumed from)' if cfg.resume else None
-    loss_sum, unlogged, stopped, start = torch.zeros((), device=run.device), 0, None, time.perf_counter()
+    loss_sum, unlogged, stopped, row, start = torch.zeros((), device=run.device), 0, None, {}, time.perf_counter()
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
         eval_owed = not evaluate(run, evaluator, log, step)
@@ -274,15 +271,15 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
             # Log: the interval's mean loss (its one host sync; never past a non-finite loss).
             if step % cfg.log_every == 0 or at_end or (must_save and unlogged):
                 mean_loss = interval_loss(run, loss_sum, unlogged, step, last_good)
-                log_interval(run, log, heldout, step, unlogged, mean_loss, with_heldout=not stopped)
+                row = log_interval(run, log, heldout, step, unlogged, mean_loss, with_heldout=not stopped)
                 loss_sum.zero_()
                 unlogged = 0
             # Evaluate: FID and bits/dim of the EMA, every --eval-every training images.
             if eval_owed and not stopped:
                 eval_owed = not evaluate(run, evaluator, log, step)
-            # Checkpoint, before the grid: a failing grid never costs a checkpoint.
+            # Checkpoint, once proven good (finite weights and held-out losses), before the grid.
             if must_save:
-                save(run, step, log, eval_owed, ckpt_path)
+                save(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
                 last_good = f'{ckpt_path} (step {step})'
             if at_end or stopped:
                 break
@@ -296,25 +293,29 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
 
 # ----------------------------------------------------------------------------- main
 
-def main(cfg: TrainConfig) -> dict:
+def main(cfg: TrainConfig, given: set = None) -> dict:
+    """A run of cfg. `given`: the fields set on the command line (default: those that differ
+    from their defaults); a resumed run replays its checkpoint's flags with these on top."""
     rank, local_rank, world_size = setup_distributed()
+    cfg, flags, ckpt = resume_settings(cfg, changed_fields(cfg) if given is None else given)
     device = pick_device(cfg.device, local_rank)
-    cfg = resolve_defaults(dataclasses.replace(cfg, resume=resume_path(cfg.resume, cfg.out_dir)), device)
+    cfg = resolve_defaults(cfg, device)
     validate(cfg, device, world_size)
-    ckpt = load_resumable(cfg, world_size) if cfg.resume else None
-    if ckpt is not None and (done := already_done(ckpt, cfg)):
-        return done
-    prepare_outputs(cfg, rank, fresh=ckpt is None)
+    if ckpt is not None:
+        check_resumable(ckpt, f'--resume {cfg.resume}', asdict(cfg), model_config_of(cfg), world_size)
+        warn_of_changes(ckpt, cfg)
+        if done := already_done(ckpt, cfg):
+            return done
+    release_lock = claim_outputs(cfg, rank, fresh=ckpt is None)
     stop = StopFlag()
     restore_signals = stop.install()
     control_group = init_process_group(device, rank, world_size)
     try:
-        # A stop during start-up (data, model, reference statistics) ends a single process at
-        # once: nothing has been trained. Under DDP the ranks must first meet in the loop,
-        # where they agree on stops.
+        # A stop during start-up (data, model, reference statistics) ends one process at once:
+        # nothing was trained. Under DDP the ranks first meet in the loop, where they agree on stops.
         with stop.interruptible() if world_size == 1 else contextlib.nullcontext():
             run = build_run(cfg, device, rank, world_size, progress=rank == 0, stop=stop,
-                            control_group=control_group)
+                            control_group=control_group, flags=flags)
             if ckpt is not None:
                 check_same_data(ckpt, f'--resume {cfg.resume}', run.data_identity, cfg.data_dir)
             step = restore(run, ckpt) if ckpt else 0
@@ -325,12 +326,13 @@ def main(cfg: TrainConfig) -> dict:
         return {'step': ckpt['step'] if ckpt else 0, 'stopped': stop.reason, 'last': {}, 'checkpoint': cfg.resume}
     finally:
         restore_signals()
+        release_lock()
         if world_size > 1:
             dist.destroy_process_group()
 
 
 def cli(argv=None) -> int:
-    return run_main(main, parse_config(argv, TrainConfig, __doc__))
+    return run_main(main, parse_config(argv, TrainConfig, __doc__), given_fields(argv, TrainConfig))
 
 
 # ============================================================================= bookkeeping
@@ -346,18 +348,12 @@ class NonFiniteLoss(Exception):
 def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Fills the 'auto' and None fields: the fast path on CUDA, plain fp32 eager on CPU."""
     cuda = device.type == 'cuda'
-    recipe = {**PAPER_TRAINING, **PRESET_TRAINING.get(cfg.preset, {})}
-    cfg = dataclasses.replace(cfg)
-    for name, value in recipe.items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-    cfg.dropout = PRESETS[cfg.preset].dropout if cfg.dropout is None else cfg.dropout
+    defaults = {**PAPER_TRAINING, **PRESET_TRAINING.get(cfg.preset, {}), 'dropout': PRESETS[cfg.preset].dropout,
+                'compile': cuda, 'channels_last': cuda, 'fused_adam': cuda}
+    cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
     cfg.amp = ('bf16' if cuda and torch.cuda.is_bf16_supported() else 'off') if cfg.amp == 'auto' else cfg.amp
     if cfg.loader == 'ffcv':
         cfg.dataset = 'beton'  # FFCV reads the .beton file given as --data-dir
-    for name in ('compile', 'channels_last', 'fused_adam'):
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, cuda)
     return cfg
 
 
@@ -382,48 +378,24 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
         raise ConfigError(f'--image-size {cfg.image_size}: {error}') from None
 
 
-# ----------------------------------------------------------------------------- resume guards
+# ----------------------------------------------------------------------------- outputs
 
-def load_resumable(cfg: TrainConfig, world_size: int) -> dict:
-    """The --resume checkpoint, refused unless this run can continue it exactly (the data set
-    is compared once it is loaded)."""
-    what = f'--resume {cfg.resume}'
-    ckpt = read_checkpoint(cfg.resume, what)
-    check_resumable(ckpt, what, asdict(cfg), model_config_of(cfg), world_size)
-    return ckpt
-
-
-def already_done(ckpt: dict, cfg: TrainConfig) -> dict | None:
-    """If the checkpoint holds the run's last step (--steps, or --epochs whole epochs), says so
-    and returns the result of a run with nothing left to do; else None."""
-    if (ckpt['step'] < cfg.steps) if cfg.steps else (ckpt['epoch'] < cfg.epochs):
-        return None
-    target = f'--steps {cfg.steps}' if cfg.steps else f'--epochs {cfg.epochs}'
-    past = ckpt['step'] > cfg.steps if cfg.steps else (ckpt['epoch'], ckpt['batch_in_epoch']) > (cfg.epochs, 0)
-    print(f"{cfg.resume} holds step {ckpt['step']} (epoch {ckpt['epoch']}, batch {ckpt['batch_in_epoch']}), "
-          f"{'past' if past else 'at'} the target {target}: nothing to train. Raise {target.split()[0]} to "
-          f"train on.", flush=True)
-    return {'step': ckpt['step'], 'stopped': None, 'last': {}, 'checkpoint': cfg.resume, 'already_done': True}
-
-
-def prepare_outputs(cfg: TrainConfig, rank: int, fresh: bool):
-    """Output folders checked writable before any work. A ckpt.pt.tmp left by a killed write is
-    removed (the rename never happened: ckpt.pt is whole). A fresh run in a folder whose
-    earlier run left metrics but no checkpoint starts its own metrics.jsonl; the old one is kept."""
-    check_writable(cfg.out_dir, '--out-dir')
+def claim_outputs(cfg: TrainConfig, rank: int, fresh: bool):
+    """The output folders checked writable before any work, and --out-dir claimed for this run
+    (rank 0: cli.claim_folder). A fresh run in a folder whose earlier run left metrics but no
+    checkpoint starts its own metrics.jsonl; the old one is kept. Returns the lock's release."""
     if cfg.sample_every:
         check_writable(cfg.samples_dir, '--samples-dir')
     if rank != 0:
-        return
-    tmp = os.path.join(cfg.out_dir, 'ckpt.pt.tmp')
-    if os.path.exists(tmp):
-        os.remove(tmp)
-        print(f'removed {tmp}, left by a checkpoint write that did not finish (ckpt.pt is intact)', flush=True)
+        check_writable(cfg.out_dir, '--out-dir')
+        return lambda: None
+    release = claim_folder(cfg.out_dir, '--out-dir', ('ckpt.pt.tmp', 'curves.png.tmp'))
     metrics = os.path.join(cfg.out_dir, 'metrics.jsonl')
     if fresh and os.path.exists(metrics):
         number = next(n for n in range(1, 10 ** 6) if not os.path.exists(f'{metrics}.{n}'))
         os.replace(metrics, f'{metrics}.{number}')
         print(f'{metrics} of an earlier run without a checkpoint kept as {metrics}.{number}', flush=True)
+    return release
 
 
 # ----------------------------------------------------------------------------- what the loop calls
@@ -449,7 +421,7 @@ def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float
     if heldout is not None and with_heldout:
         with log.paused():
             try:
-                with run.stop.interruptible():
+                with run.stop.interruptible(), own_rng(run.device):
                     for key, model in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
                         row[key] = sample.heldout_losses(model, run.sched, heldout, run.cfg, run.device).mean().item()
             except StopRequested:  # cut short by a stop: the row without them
@@ -458,6 +430,7 @@ def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float
     log.bar.set_postfix(loss=f'{mean_loss:.4f}', img_s=f"{row['img_per_s'] or 0:.0f}")
     if run.cfg.eval_every:
         log.draw_curves()
+    return row
 
 
 def evaluate(run: Run, evaluator, log, step: int) -> bool:
@@ -466,7 +439,7 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
     hours = log.training_seconds() / 3600
     with log.paused():
         try:
-            with run.stop.interruptible() if run.world_size == 1 else contextlib.nullcontext():
+            with run.stop.interruptible() if run.world_size == 1 else contextlib.nullcontext(), own_rng(run.device):
                 row = evaluator(step, hours)
         except StopRequested:
             log.print(f'evaluation at step {step} left out: a stop was requested; the resumed run owes it')
@@ -480,11 +453,38 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
     return True
 
 
-def save(run: Run, step: int, log, eval_owed: bool, path: str):
+def save(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
+    """The checkpoint of this step, once proven good; a broken model stops the run instead, and
+    the last good checkpoint stays (every rank agrees)."""
     with log.paused():
+        problem = weights_problem(run, heldout, row)
+        if any_rank(problem is not None, run.control_group):
+            raise NonFiniteLoss(f"at step {step}: {problem or 'a problem on another rank'}; stopping without a "
+                                f"checkpoint. " + (f'The last good checkpoint is {last_good}.' if last_good
+                                                   else 'No checkpoint was written by this run.'))
         state = checkpoint_state(run, step, eval_owed, log.training_seconds())
         if run.rank == 0:
             save_checkpoint(state, path)
+
+
+def weights_problem(run: Run, heldout, row: dict):
+    """Why the weights must not be saved (None: they may): a non-finite weight of the model or
+    the EMA, or a non-finite held-out loss of either (from this step's log row, or after a stop,
+    which skips it, from one batch of the held-out set)."""
+    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
+        if module is not None and not torch.stack([p.isfinite().all() for p in module.parameters()]).all():
+            return f'non-finite {name}'
+    if heldout is None:
+        return None
+    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
+        loss = row.get(key)
+        if loss is None:
+            with own_rng(run.device):
+                few = tuple(x[:run.cfg.batch_size] for x in heldout)
+                loss = sample.heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
+        if not math.isfinite(loss):
+            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
+    return None
 
 
 def grid(run: Run, log, path: str):
@@ -493,13 +493,14 @@ def grid(run: Run, log, path: str):
         return
     with log.paused():
         try:
-            with run.stop.interruptible():
+            with run.stop.interruptible(), own_rng(run.device):
                 sample.write_grid(run.ema, run.sched, run.cfg, run.device, path)
             log.grids.append(path)
         except StopRequested:
             log.print(f'{path}: left out, a stop was requested')
         except OSError as error:
-            log.warn(f'could not write the sample grid {path} ({brief(error)}); training goes on')
+            log.print(f'warning: could not write the sample grid {path} ({brief(error)}); training goes on',
+                      file=sys.stderr)
 
 
 def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) -> dict:
@@ -513,7 +514,7 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
     result = {'step': step, 'stopped': stopped, 'last': log.last, 'checkpoint': ckpt_path}
     if stopped:
         log.print(f'stopped by {stopped} at step {step}: checkpoint saved to {ckpt_path}; '
-                  f'continue with --resume {ckpt_path}')
+                  f'continue with --resume {ckpt_path} (the run\'s settings are replayed from it)')
         return result
     per_epoch = run.loader.batches_per_epoch
     if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
@@ -521,10 +522,10 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
         grid(run, log, os.path.join(cfg.samples_dir, name))
     if cfg.eval_every:
         log.draw_curves(force=True)
-    last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
-    log.print(f'done: {step} steps in {seconds:.1f}s; loss {last.get("loss", float("nan")):.4f}, '
-              f'held-out loss {last.get("heldout_loss", float("nan")):.4f} (EMA '
-              f'{last.get("heldout_loss_ema", float("nan")):.4f}); checkpoint {ckpt_path}{samples}')
+    last, samples, nan = log.last, f', samples in {cfg.samples_dir}/' if log.grids else '', float('nan')
+    log.print(f"done: {step} steps in {seconds:.1f}s; loss {last.get('loss', nan):.4f}, held-out loss "
+              f"{last.get('heldout_loss', nan):.4f} (EMA {last.get('heldout_loss_ema', nan):.4f}); checkpoint "
+              f"{ckpt_path}{samples}")
     return result
 
 
@@ -540,9 +541,10 @@ def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
         log = Metrics(run, step, cfg.steps or cfg.epochs * run.loader.batches_per_epoch, train_seconds)
         heldout = sample.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
         return log, heldout, sample.Evaluator(run) if cfg.eval_every else None
-    log, heldout, evaluator = on_all_ranks(make, run.control_group)
+    with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
+        log, heldout, evaluator = on_all_ranks(make, run.control_group)
     if evaluator is not None and evaluator.fid_left_out:
-        log.warn(f'FID is left out of the evaluations: {evaluator.fid_left_out}')
+        log.print(f'warning: FID is left out of the evaluations: {evaluator.fid_left_out}', file=sys.stderr)
     if evaluator is not None and any_rank(cfg.eval_fid and evaluator.extractor is None, run.control_group):
         evaluator.extractor = evaluator.reference = None  # FID on every rank or on none
     log.restart_clock()  # the reference statistics are not training time
@@ -566,13 +568,12 @@ class Metrics:
         self.peak = peak_tflops(name, precision_of(cfg.amp, run.device)) if name else None
         self.bar = tqdm(total=total_steps, initial=step, disable=not self.active, dynamic_ncols=True, desc='train')
         self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
-        self.interval_start = time.perf_counter()
-        self.paused_s, self.train_seconds, self.last = 0.0, train_seconds, {}
-        self.grids, self.curves_drawn = [], 0.0
+        self.interval_start, self.paused_s, self.train_seconds = time.perf_counter(), 0.0, train_seconds
+        self.last, self.grids, self.curves_drawn = {}, [], 0.0
         if self.active:
-            self.write({'config': asdict(cfg), 'model_config': asdict(run.model.config), 'start_step': step,
-                        'world_size': run.world_size, 'loader': run.loader_kind, 'device': str(run.device),
-                        'data': run.data_identity})
+            self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
+                        'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
+                        'device': str(run.device), 'data': run.data_identity})
             self.print(f'{cfg.preset}: {count_params(run.model) / 1e6:.2f}M parameters, '
                        f'{self.flops["train"] / 1e9:.2f} GFLOP/image per training step; {run.data_identity["count"]} '
                        f'images, loader {run.loader_kind}, {run.world_size} rank(s), {total_steps} steps of batch '
@@ -581,9 +582,6 @@ class Metrics:
     def print(self, message: str, file=None):
         if self.active:
             tqdm.write(message, file=file)
-
-    def warn(self, message: str):
-        self.print(f'warning: {message}', file=sys.stderr)
 
     def write(self, row: dict):
         if self.active:

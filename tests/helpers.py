@@ -7,6 +7,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+# Why a proof against diffusers is skipped, as the end of a test run reports it (pytest -rs).
+NO_DIFFUSERS = 'a proof against diffusers: diffusers is not installed (pip install -r requirements-dev.txt)'
+
 
 def write_cifar10(root, train_per_batch=20, test_count=20, seed=0):
     """A small CIFAR-10 in the real on-disk format: cifar-10-batches-py/ with pickled dicts of

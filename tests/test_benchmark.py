@@ -14,6 +14,7 @@ import torch
 import benchmark
 import data
 from model import PRESETS
+from helpers import NO_DIFFUSERS
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
@@ -25,7 +26,8 @@ def campaign(tmp_path_factory, root):
     """bash scripts/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
     form; two parts at a time, one thread each (their timings mean nothing on a CPU anyway)."""
     out = tmp_path_factory.mktemp('gpu-out')
-    lanes = [['ladder', 'quality', 'autotune', 'graphs', 'small'], ['profile', 'headline', 'gputests', 'loaders', 'sweep']]
+    lanes = [['ladder', 'quality', 'autotune', 'graphs', 'small', 'gputests'],
+             ['profile', 'headline', 'loaders', 'sweep']]
     assert sorted(sum(lanes, [])) == sorted(PARTS)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash scripts/measure_gpu.sh {part} {out} --quick'
@@ -42,11 +44,13 @@ def load(out, stem):
     return json.loads((out / f'{stem}.json').read_text())
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_every_part_writes_at_most_eight_files(campaign):
     files = sorted(p.name for p in campaign.iterdir())
     assert not [p for p in campaign.iterdir() if p.is_dir()]  # data, .beton files and runs stay out
     for part in PARTS:
-        mine = [f for f in files if f.split('.')[0].split('-')[0] == part or (part == 'profile' and f.startswith('sampling'))]
+        mine = [f for f in files
+                if f.split('.')[0].split('-')[0] == part or (part == 'profile' and f.startswith('sampling'))]
         assert f'{part}-environment.txt' in mine and f'{part}.log' in mine, part
         assert len(mine) <= 8, (part, mine)
     for stem in ('headline', 'ladder', 'profile', 'autotune', 'graphs', 'loaders', 'sweep', 'small'):
@@ -54,6 +58,7 @@ def test_every_part_writes_at_most_eight_files(campaign):
     assert '| Baseline' in (campaign / 'ladder.md').read_text()
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_ladder_rows(campaign):
     result = load(campaign, 'ladder')
     assert result['complete'] and result['peer'] is None
@@ -74,14 +79,16 @@ def test_ladder_rows(campaign):
     settings = {row['name']: row['settings'] for row in result['rows']}
     fused = settings['Fused Adam']  # the settings accumulate: each row keeps the changes above it
     assert fused['compile'] and fused['attention'] == 'sdpa' and fused['amp'] == 'bf16' and fused['channels_last']
-    for part, row in [('autotune', 'compile max-autotune (no CUDA graphs)'), ('graphs', 'compile max-autotune + CUDA graphs')]:
+    for part, row in [('autotune', 'compile max-autotune (no CUDA graphs)'),
+                      ('graphs', 'compile max-autotune + CUDA graphs')]:
         rows = load(campaign, part)['rows']
         assert rows[0]['name'].startswith('Baseline') and rows[1]['name'] == row and len(rows) == 2
         assert 'CUDA' in rows[1]['skipped']  # a GPU mode, with the reason
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_headline_peer_is_timed_beside_our_fastest_row(campaign):
-    pytest.importorskip('diffusers')
+    pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     result = load(campaign, 'headline')
     assert [r['name'].split(' ')[0] for r in result['rows']] == ['Baseline', 'Device-resident']
     peer = result['peer']
@@ -95,6 +102,7 @@ def test_headline_peer_is_timed_beside_our_fastest_row(campaign):
     assert isinstance(benchmark.DiffusersUNet(PRESETS['tiny']).unet, __import__('diffusers').UNet2DModel)
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_profile_and_sampling(campaign):
     profile = load(campaign, 'profile')
     assert profile['row'] == benchmark.start_row(benchmark.BenchConfig(), torch.device('cpu')).name
@@ -111,12 +119,14 @@ def test_profile_and_sampling(campaign):
                                               / 1e12)
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_gputests_part_logs_a_training_run(campaign):
     rows = [json.loads(line) for line in (campaign / 'gputests-train-metrics.jsonl').read_text().splitlines()]
     assert rows[0]['config']['preset'] == 'tiny' and [r['step'] for r in rows[1:]] == [3, 6]
     assert 'skipped' in (campaign / 'gputests.log').read_text()  # tests/test_gpu.py needs CUDA
 
 
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_quality_sweep_and_loaders(campaign):
     quality = load(campaign, 'quality')
     assert [run['seed'] for run in quality['runs']] == [0, 0, 1]
@@ -215,6 +225,10 @@ def test_mfu_uses_the_row_precision_and_overrides():
     (['--dataset', 'cifar10'], 'CIFAR-10 not found'),
     (['--profile', '--quality'], 'choose one mode'),
     (['--image-size', '18'], 'cannot be halved'),
+    (['--stem', 'a/b'], 'a plain file name'),
+    (['--stem', '../../x'], 'a plain file name'),
+    (['--seed', '-1'], '--seed must be in [0, 4294967295]'),
+    (['--peak-tflops', '0'], '--peak-tflops must be a positive number'),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expected):
     args = ['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path / 'out'),

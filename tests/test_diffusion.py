@@ -7,6 +7,7 @@ import torch
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
                        make_schedule, p_mean_variance, q_posterior, q_sample, training_loss, vlb_bits_per_dim,
                        vlb_bits_per_dim_mc)
+from helpers import NO_DIFFUSERS
 from model import UNet, get_config
 
 
@@ -44,7 +45,7 @@ def test_cosine_schedule():
 
 
 def test_cosine_schedule_matches_diffusers():
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ref = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule='squaredcos_cap_v2')
     assert np.allclose(ref.betas.numpy(), make_schedule(1000, 'cosine').betas.numpy(), rtol=1e-5, atol=1e-7)
 
@@ -106,13 +107,13 @@ def _float64_tables(ref):
 
 
 def test_schedule_matches_diffusers():
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ref = diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4, beta_end=0.02)
     assert np.allclose(ref.alphas_cumprod.numpy(), make_schedule().alphas_cumprod.numpy(), rtol=0, atol=1e-6)
 
 
 def test_ddpm_step_matches_diffusers():
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ref = _float64_tables(diffusers.DDPMScheduler(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4,
                                                   beta_end=0.02, variance_type='fixed_large', clip_sample=True))
     sched = make_schedule()
@@ -128,7 +129,7 @@ def test_ddpm_step_matches_diffusers():
 
 
 def test_ddim_step_matches_diffusers():
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ref = _float64_tables(diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4,
                                                   beta_end=0.02, clip_sample=True, set_alpha_to_one=True))
     ref.set_timesteps(50)  # 'leading' spacing: 980, 960, ..., 0, stride 20
@@ -165,7 +166,7 @@ class SmoothEps(torch.nn.Module):
 
 
 def diffusers_scheduler(kind, **kwargs):
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     cls = {'ddpm': diffusers.DDPMScheduler, 'ddim': diffusers.DDIMScheduler}[kind]
     return _float64_tables(cls(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4, beta_end=0.02,
                                clip_sample=True, **kwargs))
@@ -276,7 +277,8 @@ def _trained_like_model(seed=0):
 def test_ddim_eta0_deterministic_and_samplers_reproducible():
     model, sched = _trained_like_model(), make_schedule(1000)
     shape = (2, 3, 16, 16)
-    run = lambda seed, **kw: ddim_sample(model, sched, shape, steps=5, generator=torch.Generator().manual_seed(seed), **kw)
+    def run(seed, **kw):
+        return ddim_sample(model, sched, shape, steps=5, generator=torch.Generator().manual_seed(seed), **kw)
     a, b = run(0), run(0)
     assert torch.equal(a, b)
     assert not torch.equal(a, run(1))  # the seed matters
@@ -317,7 +319,8 @@ def test_discretized_decoder_sums_to_one():
     # The bins partition the real line: the probabilities of all 256 levels sum to 1.
     levels = torch.arange(256, dtype=torch.float64) / 127.5 - 1
     for mean, log_var in [(0.3, -6.0), (-0.95, -4.0), (0.0, 0.0)]:
-        log_p = discretized_gaussian_log_likelihood(levels, torch.full_like(levels, mean), torch.full_like(levels, log_var))
+        log_p = discretized_gaussian_log_likelihood(levels, torch.full_like(levels, mean),
+                                                    torch.full_like(levels, log_var))
         assert math.isclose(log_p.exp().sum().item(), 1.0, rel_tol=1e-6)
 
 
@@ -388,3 +391,29 @@ def test_monte_carlo_bound_is_unbiased():
     z = (mc.mean(0) - full.mean(0)) / stderr
     assert z.abs().max() < 4, z
     assert mc.std(0).min() > 10 * full.std(0).max()  # the timestep draws are what varies
+
+
+def test_monte_carlo_strata_by_hand_and_every_timestep_reachable(monkeypatch):
+    # The oracle's KL terms depend on t alone, so the estimate must be the prior, the decoder and
+    # sum_j n_j KL(t_j) over the timesteps t_j it drew, n_j its stratum's size: T=12 and 3 strata,
+    # [1, 4), [4, 8), [8, 12). Over 600 images every t in 1..11 is drawn, each about equally often
+    # within its stratum.
+    import diffusion
+    T, K, copies = 12, 3, 600
+    sched = make_schedule(T)
+    x0 = (torch.randint(0, 256, (copies, 3, 2, 2), generator=torch.Generator().manual_seed(4)).double() / 127.5 - 1)
+    oracle = TrueNoise(sched, x0)
+    full = vlb_bits_per_dim(oracle, sched, x0, generator=torch.Generator().manual_seed(0))
+    drawn, term = [], diffusion.vlb_term
+    monkeypatch.setattr(diffusion, 'vlb_term',
+                        lambda model, sched, x0, t, *a: drawn.append(t) or term(model, sched, x0, t, *a))
+    mc = vlb_bits_per_dim_mc(oracle, sched, x0, K, generator=torch.Generator().manual_seed(1))
+    decoder_t, *strata = drawn
+    assert (decoder_t == 0).all() and len(strata) == K
+    sizes, lows = [3, 4, 4], [1, 4, 8]
+    by_hand = sum(n * full['terms'][torch.arange(copies), t] for n, t in zip(sizes, strata))
+    assert torch.allclose(mc['kl'], by_hand, rtol=1e-9)
+    assert torch.allclose(mc['total'], full['prior'] + full['decoder'] + by_hand, rtol=1e-9)
+    for t, low, n in zip(strata, lows, sizes):
+        counts = torch.bincount(t - low, minlength=n)
+        assert len(counts) == n and counts.min() > copies / n - 5 * (copies / n) ** 0.5  # all reached, uniformly

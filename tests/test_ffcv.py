@@ -81,4 +81,5 @@ def test_fid_statistics_of_a_beton_are_cached_beside_it(beton):
     cache = os.path.join(os.path.dirname(beton), 'fid_stats_beton_16.npz')
     assert os.path.isfile(cache) and not os.path.exists(cache + '.tmp')
     again = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
-    assert (again['mu'] == stats['mu']).all() and (again['sigma'] == stats['sigma']).all()  # the cache is read back whole
+    # The cache is read back whole.
+    assert (again['mu'] == stats['mu']).all() and (again['sigma'] == stats['sigma']).all()

@@ -24,7 +24,8 @@ def gpu_run(tmp_path, **overrides):
 def test_fast_path_defaults_on_cuda(tmp_path):
     run = gpu_run(tmp_path)
     cfg = run.cfg
-    assert (cfg.amp, cfg.compile, cfg.channels_last, cfg.fused_adam, run.loader_kind) == ('bf16', True, True, True, 'gpu')
+    settings = (cfg.amp, cfg.compile, cfg.channels_last, cfg.fused_adam, run.loader_kind)
+    assert settings == ('bf16', True, True, True, 'gpu')
 
 
 def test_hot_loop_does_not_synchronise(tmp_path):

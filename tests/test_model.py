@@ -125,7 +125,8 @@ def test_flops_match_a_count_by_hand(preset):
     assert abs(torchinfo['forward'] / by_hand['layers'] - 1) < 0.01
     if preset == 'ddpm-cifar10':  # the figures the spec quotes: about 12.4 / 37.3 GFLOP, torchinfo 12.1 / 36.3
         print(f"\nddpm-cifar10 @32x32: {flops['forward'] / 1e9:.3f} GFLOP forward, {flops['train'] / 1e9:.3f} "
-              f"forward+backward per image; torchinfo {torchinfo['forward'] / 1e9:.3f} / {torchinfo['train'] / 1e9:.3f}")
+              f"forward+backward per image; torchinfo {torchinfo['forward'] / 1e9:.3f} / "
+              f"{torchinfo['train'] / 1e9:.3f}")
         assert round(flops['forward'] / 1e9, 1) == 12.4 and round(flops['train'] / 1e9, 1) == 37.3
         assert round(torchinfo['forward'] / 1e9, 2) == 12.12 and round(torchinfo['train'] / 1e9, 2) == 36.35
 

@@ -9,9 +9,10 @@ import torch
 import torch.nn as nn
 
 import model as unet
+from helpers import NO_DIFFUSERS
 from model import PRESETS, UNet, get_config
 
-diffusers = pytest.importorskip('diffusers')
+diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
 
 # config.json of the released google/ddpm-cifar10-32 UNet (the paper's CIFAR-10 model).
 GOOGLE_DDPM_CIFAR10_32 = {

@@ -1,3 +1,8 @@
+import json
+import os
+import signal
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -6,7 +11,7 @@ import data
 import diffusion
 import sample
 import train
-from helpers import stand_in_extractor, train_args
+from helpers import NO_DIFFUSERS, stand_in_extractor, train_args
 from model import UNet, UNetConfig
 
 
@@ -21,7 +26,7 @@ def test_png_npz_and_grid_outputs(ckpt, tmp_path):
     common = ['--ckpt', ckpt, '--num', '5', '--batch-size', '2', '--steps', '3', '--device', 'cpu']
     result = sample.main(sample.parse_config(common + ['--out', str(tmp_path / 'png')], sample.SampleConfig))
     files = sorted(p.name for p in (tmp_path / 'png').iterdir())
-    assert files == [f'{i:06d}.png' for i in range(5)]
+    assert files == [f'{i:06d}.png' for i in range(5)] + ['samples.json']
     assert result['images'] == 5 and result['img_per_s'] > 0
     assert sample.cli(common + ['--out', str(tmp_path / 'npz'), '--format', 'npz']) == 0
     assert sample.cli(common + ['--out', str(tmp_path / 'npz2'), '--format', 'npz']) == 0
@@ -72,17 +77,19 @@ def test_frechet_distance_closed_forms():
     assert sample.frechet_distance(a_stats, b_stats) == pytest.approx(4 * (2 - 1) ** 2)
 
 
-def test_fid_path_with_stand_in_extractor(ckpt, tmp_path, monkeypatch):
+def test_fid_path_with_stand_in_extractor(ckpt, tmp_path, monkeypatch, shapes_fid_dir, shapes_fid_stats):
     monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    assert not list(shapes_fid_stats.parent.glob('*.tmp'))  # the cache was written whole, then renamed
+
+    def recomputed(*args, **kwargs):
+        raise AssertionError('the cached reference statistics should have been read')
+    monkeypatch.setattr(sample, 'reference_images', recomputed)
     cfg = sample.SampleConfig(ckpt=ckpt, num=8, batch_size=4, steps=2, device='cpu', fid=True, fid_data='shapes',
-                              data_dir=str(tmp_path / 'data'), out=str(tmp_path / 'out'), format='npz')
+                              data_dir=shapes_fid_dir(tmp_path), out=str(tmp_path / 'out'), format='npz')
     result = sample.main(cfg)
     assert np.isfinite(result['fid']) and result['fid'] > 0
-    assert (tmp_path / 'data' / 'fid_stats_shapes_16.npz').exists()  # reference statistics cached
-    assert not list((tmp_path / 'data').glob('*.tmp'))  # written whole, then renamed
-    # Features of the reference set against themselves: FID 0.
-    reference = sample.reference_images('shapes', '', 16, split_train=True)[:200]
-    stats = sample.statistics(sample.features_of(reference.split(50), stand_in_extractor))
+    # Features of the reference set (its first 200 shapes) against themselves: FID 0.
+    stats = sample.statistics(sample.features_of(data.make_shapes(200, 16).split(50), stand_in_extractor))
     assert abs(sample.frechet_distance(stats, stats)) < 1e-6
 
 
@@ -143,7 +150,7 @@ def test_samples_use_the_checkpoints_schedule(tmp_path):
 
 
 def save_diffusers_pipeline(path, num_train_timesteps=100, variance_type='fixed_large'):
-    diffusers = pytest.importorskip('diffusers')
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     import model as unet
     config = unet.get_config('tiny', image_size=16, dropout=0.0)
     theirs = diffusers.UNet2DModel(**unet.diffusers_config(config))
@@ -216,3 +223,113 @@ def test_unwritable_out_fails_before_drawing(ckpt, tmp_path, capsys, monkeypatch
     (tmp_path / 'a-file').write_text('')
     assert sample.cli(['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'a-file' / 'out')]) == 2
     assert 'cannot write there' in capsys.readouterr().err and not drawn
+
+
+# ----------------------------------------------------------------------------- sampling that survives
+
+def test_non_finite_weights_and_samples_are_refused(ckpt, tmp_path, capsys):
+    saved = torch.load(ckpt, weights_only=True)
+    broken = dict(saved, ema={k: v.clone() for k, v in saved['ema'].items()})
+    broken['ema']['conv_out.bias'][0] = float('nan')
+    torch.save(broken, tmp_path / 'nan.pt')
+    assert sample.cli(['--ckpt', str(tmp_path / 'nan.pt'), '--num', '2', '--device', 'cpu',
+                       '--out', str(tmp_path / 'a')]) == 2
+    assert 'ema weights are not finite' in capsys.readouterr().err
+    assert not (tmp_path / 'a').exists() or not list((tmp_path / 'a').glob('*.png'))
+    huge = dict(saved, ema={k: v * (1e30 if k.startswith('conv_out') else 1) for k, v in saved['ema'].items()})
+    torch.save(huge, tmp_path / 'huge.pt')  # finite weights whose samples overflow
+    assert sample.cli(['--ckpt', str(tmp_path / 'huge.pt'), '--num', '2', '--steps', '3', '--device', 'cpu',
+                       '--out', str(tmp_path / 'b')]) == 3
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith('error: the model drew NaN or inf in batch 0')
+    assert not list((tmp_path / 'b').glob('*.png'))
+
+
+@pytest.mark.parametrize('fmt', ['png', 'npz'])
+def test_a_stopped_run_continues_to_the_images_of_one_run(ckpt, tmp_path, monkeypatch, capsys, fmt):
+    common = ['--ckpt', ckpt, '--num', '7', '--batch-size', '2', '--steps', '3', '--device', 'cpu', '--format', fmt]
+    assert sample.cli(common + ['--out', str(tmp_path / 'whole')]) == 0
+    write, events = sample.write_batch, []
+
+    def sigterm_after_the_second_batch(images, paths, fmt):
+        write(images, paths, fmt)
+        events.append(len(images))
+        if len(events) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(sample, 'write_batch', sigterm_after_the_second_batch)
+    assert sample.cli(common + ['--out', str(tmp_path / 'cut')]) == 0
+    assert events == [2, 2] and 'stopped by SIGTERM' in capsys.readouterr().out  # the batch under way was written
+    on_disk = sorted(p.name for p in (tmp_path / 'cut').rglob('*') if p.is_file())
+    assert on_disk == (['000000.png', '000001.png', '000002.png', '000003.png', 'samples.json'] if fmt == 'png' else
+                       ['batch_000000.npy', 'batch_000001.npy', 'samples.json'])
+    assert sample.cli(common + ['--out', str(tmp_path / 'cut')]) == 0  # the same command continues
+    assert events == [2, 2, 2, 1]  # only the two batches left were drawn
+    for name in ([f'{i:06d}.png' for i in range(7)] if fmt == 'png' else ['samples_7x16.npz']):
+        assert (tmp_path / 'cut' / name).read_bytes() == (tmp_path / 'whole' / name).read_bytes(), name
+    if fmt == 'npz':
+        assert not (tmp_path / 'cut' / 'parts').exists()
+        assert np.load(tmp_path / 'cut' / 'samples_7x16.npz')['arr_0'].shape == (7, 16, 16, 3)
+    assert sample.cli(common + ['--out', str(tmp_path / 'cut')]) == 0 and events == [2, 2, 2, 1]  # nothing left
+    assert 'nothing to do' in capsys.readouterr().out
+
+
+def test_samples_stream_to_disk_batch_by_batch(ckpt, tmp_path, monkeypatch):
+    # Memory holds one batch: each batch is on disk before the next is drawn.
+    draw, order = sample.draw, []
+
+    def watched(*args, **kwargs):
+        for images in draw(*args, **kwargs):
+            order.append(('drawn', len(list((tmp_path / 'out').glob('*.png')))))
+            yield images
+    monkeypatch.setattr(sample, 'draw', watched)
+    assert sample.cli(['--ckpt', ckpt, '--num', '5', '--batch-size', '2', '--steps', '2', '--device', 'cpu',
+                       '--out', str(tmp_path / 'out')]) == 0
+    assert order == [('drawn', 0), ('drawn', 2), ('drawn', 4)]
+
+
+def test_a_folder_of_other_samples_or_in_use_is_refused(ckpt, tmp_path, capsys):
+    common = ['--ckpt', ckpt, '--num', '3', '--steps', '2', '--device', 'cpu', '--out', str(tmp_path / 'out')]
+    assert sample.cli(common) == 0
+    before = (tmp_path / 'out' / '000000.png').read_bytes()
+    capsys.readouterr()
+    assert sample.cli(common + ['--seed', '1']) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'holds samples drawn with other settings (seed 0, now 1)' in err and len(err.splitlines()) == 1
+    assert (tmp_path / 'out' / '000000.png').read_bytes() == before
+    import socket
+    (tmp_path / 'out' / 'lock').write_text(json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}))
+    assert sample.cli(common) == 2 and 'in use by another run' in capsys.readouterr().err
+
+
+def test_samples_that_cannot_fit_are_refused_before_drawing(ckpt, tmp_path, monkeypatch, capsys):
+    import shutil
+    one_megabyte_free = shutil._ntuple_diskusage(10 ** 12, 10 ** 12 - 10 ** 6, 10 ** 6)
+    monkeypatch.setattr(shutil, 'disk_usage', lambda path: one_megabyte_free)
+    assert sample.cli(['--ckpt', ckpt, '--num', '100000000', '--device', 'cpu', '--out', str(tmp_path / 'out')]) == 2
+    err = capsys.readouterr().err
+    assert 'need about 409.6 GB' in err and not list((tmp_path / 'out').glob('*.png'))
+    assert sample.cli(['--ckpt', ckpt, '--num', '5000', '--grid', '--device', 'cpu', '--out', str(tmp_path)]) == 2
+    assert '--grid draws at most 4096 images' in capsys.readouterr().err
+
+
+def test_unreadable_weight_files_are_one_line(tmp_path, capsys, monkeypatch):
+    save_diffusers_pipeline(tmp_path / 'pipe')
+    weights = tmp_path / 'pipe' / 'unet' / 'diffusion_pytorch_model.safetensors'
+    good = weights.read_bytes()
+    weights.write_bytes(good[:100])  # cut short
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'not readable weights' in err and len(err.splitlines()) == 1
+    weights.write_bytes(good)
+    monkeypatch.setitem(sys.modules, 'safetensors.torch', None)  # the package missing
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'pip install safetensors' in capsys.readouterr().err
+    monkeypatch.undo()
+    weights.unlink()
+    (tmp_path / 'pipe' / 'unet' / 'diffusion_pytorch_model.bin').write_bytes(os.urandom(500))
+    assert sample.cli(['--ckpt', str(tmp_path / 'pipe'), '--num', '1', '--device', 'cpu']) == 2
+    err = capsys.readouterr().err.strip()
+    assert 'diffusion_pytorch_model.bin: not readable weights' in err and len(err.splitlines()) == 1
+    (tmp_path / 'random.pt').write_bytes(os.urandom(4096))
+    assert sample.cli(['--ckpt', str(tmp_path / 'random.pt'), '--num', '1', '--device', 'cpu']) == 2
+    assert 'not a train.py checkpoint (not a file written by torch.save)' in capsys.readouterr().err

@@ -1,6 +1,7 @@
 import copy
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
@@ -360,10 +361,11 @@ def test_resume_from_another_architecture(tmp_path, capsys):
     assert 'another architecture' in _stderr_line(capsys)
     assert run(tmp_path / 'other', '--steps', '4', '--resume', ckpt, '--batch-size', '4') == 2
     assert '--batch-size' in _stderr_line(capsys)
-    cfg = train.resolve_defaults(cli.parse_config(train_args(tmp_path, '--steps', '4', '--resume', ckpt),
-                                                  train.TrainConfig), torch.device('cpu'))
+    cfg = train.resolve_defaults(cli.parse_config(train_args(tmp_path, '--steps', '4'), train.TrainConfig),
+                                 torch.device('cpu'))
     with pytest.raises(cli.ConfigError, match='written by 1 ranks, this run has 2'):
-        train.load_resumable(cfg, world_size=2)
+        model.check_resumable(model.read_checkpoint(ckpt, 'x'), 'x', dataclasses.asdict(cfg),
+                              train.model_config_of(cfg), world_size=2)
 
 
 def test_real_cli_exit_code_and_stderr(tmp_path, root):
@@ -415,9 +417,10 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
     last = metrics(tmp_path)[-1]
     assert last['step'] == step and 'heldout_loss' not in last  # the stop's row: loss only
     assert not list((tmp_path / 'samples').glob('step_*.png'))
-    # ... and the run resumes from there.
-    assert run(tmp_path, '--steps', str(step + 2), '--resume', str(tmp_path / 'run' / 'ckpt.pt'),
-               '--sample-every', '0') == 0
+    # ... and the run resumes from there with the printed hint (every other setting is replayed).
+    hint = (out + err).split('continue with ')[1].split()
+    assert hint[:2] == ['--resume', str(tmp_path / 'run' / 'ckpt.pt')]
+    assert train.cli([*hint[:2], '--steps', str(step + 2), '--sample-every', '0', '--heldout-size', '16']) == 0
     assert load_ckpt(tmp_path)['step'] == step + 2
 
 
@@ -715,3 +718,211 @@ def test_an_evaluation_cut_by_a_stop_is_owed_to_the_resumed_run(tmp_path, monkey
     assert run(tmp_path, *common, '--steps', '6', '--resume', 'auto') == 0
     assert [row['step'] for row in eval_rows(tmp_path)] == [3, 5]  # the owed one first, at the step it was due
     assert not load_ckpt(tmp_path)['eval_owed']
+
+
+# ----------------------------------------------------------------------------- never keep a broken model
+
+def heldout_loss_of(path, cfg_args=()):
+    """The held-out losses (model, EMA) of a checkpoint's weights, as train.py computes them."""
+    ckpt = torch.load(path, weights_only=True)
+    cfg = train.resolve_defaults(train.TrainConfig(**ckpt['flags']), torch.device('cpu'))
+    heldout = sample.make_heldout(cfg, torch.device('cpu'), 1000)
+    sched = diffusion.make_schedule(1000)
+    losses = []
+    for weights in ('model', 'ema'):
+        net = model.model_from_checkpoint(ckpt, weights, str(path))
+        losses.append(sample.heldout_losses(net, sched, heldout, cfg, torch.device('cpu')).mean().item())
+    return losses
+
+
+def test_divergence_keeps_the_last_good_checkpoint_and_names_it(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0') == 0
+    path = tmp_path / 'run' / 'ckpt.pt'
+    capsys.readouterr()
+    # A learning rate that breaks the weights within a few updates, a checkpoint at every step.
+    assert train.cli(['--resume', str(path), '--steps', '40', '--lr', '1e6', '--ckpt-every', '1']) == 3
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    ckpt = torch.load(path, weights_only=True)
+    assert f"The last good checkpoint is {path} (step {ckpt['step']})" in err or \
+        (ckpt['step'] == 4 and f'{path} (step 4, resumed from)' in err), err
+    for weights in ('model', 'ema'):
+        assert all(t.isfinite().all() for t in ckpt[weights].values())
+    assert all(math.isfinite(loss) for loss in heldout_loss_of(path))  # what was kept is a working model
+    assert train.cli(['--resume', str(path), '--steps', str(ckpt['step'] + 2)]) == 0  # ... and it trains on
+
+
+def test_nan_weights_are_never_saved(tmp_path, monkeypatch, capsys):
+    step_once = train.train_step
+
+    def poison_at_3(run, x0, step):
+        loss = step_once(run, x0, step)  # the loss of this step is finite: it was computed before the update
+        if step == 2:
+            with torch.no_grad():
+                next(run.ema.parameters()).view(-1)[0] = float('nan')
+        return loss
+    monkeypatch.setattr(train, 'train_step', poison_at_3)
+    assert run(tmp_path, '--steps', '6', '--ckpt-every', '3', '--log-every', '100', '--sample-every', '0') == 3
+    err = capsys.readouterr().err
+    assert 'at step 3: non-finite EMA weights' in err and 'No checkpoint was written by this run' in err
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
+
+
+def test_resume_alone_continues_the_run_as_it_was(tmp_path, capsys):
+    # Every setting replayed from the checkpoint: `--resume PATH` (and a longer --steps) is enough.
+    flags = ['--lr', '1e-3', '--warmup', '4', '--grad-clip', '0.5', '--ema-decay', '0.99', '--dropout', '0.1',
+             '--seed', '3', '--ckpt-every', '0', '--log-every', '2', '--sample-every', '0']
+    assert run(tmp_path / 'whole', *flags, '--steps', '10') == 0
+    assert run(tmp_path / 'split', *flags, '--steps', '5') == 0
+    path = tmp_path / 'split' / 'run' / 'ckpt.pt'
+    capsys.readouterr()
+    assert train.cli(['--resume', str(path), '--steps', '10']) == 0
+    assert 'warning' not in capsys.readouterr().err
+    whole, split = load_ckpt(tmp_path / 'whole'), load_ckpt(tmp_path / 'split')
+    for key in ('model', 'ema'):
+        assert all(torch.equal(t, split[key][name]) for name, t in whole[key].items()), key
+    elsewhere = ('out_dir', 'samples_dir', 'resume')  # where the two runs write, and whence the split one resumed
+    assert {k: v for k, v in split['config'].items() if k not in elsewhere} == \
+        {k: v for k, v in whole['config'].items() if k not in elsewhere}
+    rows = [r for r in metrics(tmp_path / 'split') if r.get('kind') == 'train']
+    assert [r['lr'] for r in rows] == pytest.approx([1e-3 * min(1, r['step'] / 4) for r in rows])
+
+
+def test_resume_applies_optimisation_changes_with_a_warning_and_refuses_others(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--lr', '1e-3') == 0
+    path = str(tmp_path / 'run' / 'ckpt.pt')
+    capsys.readouterr()
+    assert train.cli(['--resume', path, '--steps', '6', '--lr', '5e-4']) == 0
+    err = capsys.readouterr().err
+    assert "warning: --lr 0.0005 (the checkpoint's: 0.001)" in err
+    last = metrics(tmp_path)[-1]
+    assert load_ckpt(tmp_path)['config']['lr'] == 5e-4 and last['lr'] == pytest.approx(5e-4 * last['step'] / 50)
+    for flag, value in (('--seed', '4'), ('--batch-size', '4'), ('--schedule', 'cosine')):
+        assert train.cli(['--resume', path, '--steps', '8', flag, value]) == 2
+        assert f'the checkpoint has {flag}' in _stderr_line(capsys)
+
+
+def test_a_second_run_in_the_same_folder_is_refused(tmp_path, root, capsys):
+    args = train_args(tmp_path, '--steps', '100000', '--log-every', '1', '--sample-every', '0', '--ckpt-every', '0')
+    first = subprocess.Popen([sys.executable, 'train.py', *args], cwd=root, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (tmp_path / 'run' / 'metrics.jsonl').exists():
+            time.sleep(0.1)
+        before = (tmp_path / 'run' / 'metrics.jsonl').read_text()
+        for second in ([*args, '--steps', '3'], [*args, '--steps', '3', '--resume', 'auto']):  # short if let in
+            assert train.cli(second) == 2
+            line = _stderr_line(capsys)
+            assert f'in use by another run (pid {first.pid} on {__import__("socket").gethostname()}' in line
+        assert (tmp_path / 'run' / 'metrics.jsonl').read_text().startswith(before)  # untouched by the second
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=120)
+    assert first.returncode == 0 and not (tmp_path / 'run' / 'lock').exists()  # released at the end
+
+
+def test_the_lock_of_a_dead_run_is_taken_over(tmp_path, capsys):
+    dead = subprocess.run([sys.executable, '-c', 'import os; print(os.getpid())'], capture_output=True, text=True)
+    (tmp_path / 'run').mkdir()
+    lock = {'pid': int(dead.stdout), 'host': __import__('socket').gethostname(), 'started': 'then'}
+    (tmp_path / 'run' / 'lock').write_text(json.dumps(lock))
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    assert 'taking over the lock' in capsys.readouterr().out and not (tmp_path / 'run' / 'lock').exists()
+
+
+def test_full_disk_is_one_line_exit_1_and_resume_auto_works_once_freed(tmp_path, monkeypatch, capsys):
+    save, calls = torch.save, []
+
+    def disk_full_on_the_second(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # as torch's zip writer reports ENOSPC: a RuntimeError
+            f.write(b'the first bytes of a checkpoint')
+            raise RuntimeError('[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0: file write failed')
+        return save(obj, f, *args, **kwargs)
+    monkeypatch.setattr(torch, 'save', disk_full_on_the_second)
+    common = ['--steps', '6', '--ckpt-every', '3', '--sample-every', '0', '--resume', 'auto']
+    assert run(tmp_path, *common) == 1
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith('error')]  # and the bar
+    assert 'writing' in line and 'ckpt.pt failed' in line and 'file write failed' in line and 'GB free' in line
+    assert sorted(os.listdir(tmp_path / 'run')) == ['ckpt.pt', 'metrics.jsonl']  # no partial file, no lock
+    assert load_ckpt(tmp_path)['step'] == 3
+    monkeypatch.undo()
+    assert run(tmp_path, *common) == 0 and load_ckpt(tmp_path)['step'] == 6
+
+
+def test_resume_is_exact_with_fid_evaluation_on(tmp_path, monkeypatch, shapes_fid_dir):
+    import sample as sample_module
+
+    def inception_like(weights, device):
+        torch.nn.Linear(64, 64)  # building the Inception network draws its initial weights from the global RNG
+        return stand_in_extractor
+    monkeypatch.setattr(sample_module, 'inception_extractor', inception_like)
+    common = ['--eval-every', '24', *EVAL, '--dropout', '0.1', '--ckpt-every', '0', '--log-every', '100',
+              '--data-dir', shapes_fid_dir(tmp_path)]
+    assert run(tmp_path / 'whole', *common, '--steps', '5') == 0  # an evaluation at step 3
+    assert run(tmp_path / 'split', *common, '--steps', '2') == 0
+    assert run(tmp_path / 'split', *common, '--steps', '5', '--resume', 'auto') == 0
+    whole, split = load_ckpt(tmp_path / 'whole'), load_ckpt(tmp_path / 'split')
+    assert all(torch.equal(t, split['model'][k]) for k, t in whole['model'].items())
+    assert [r['fid'] for r in eval_rows(tmp_path / 'whole')] == [r['fid'] for r in eval_rows(tmp_path / 'split')]
+
+
+def test_sigint_stops_and_saves_like_sigterm(tmp_path, monkeypatch, capsys):
+    step_once = train.train_step
+
+    def ctrl_c_at_3(run, x0, step):
+        loss = step_once(run, x0, step)
+        if step == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss
+    monkeypatch.setattr(train, 'train_step', ctrl_c_at_3)
+    assert run(tmp_path, '--steps', '50') == 0
+    assert 'stopped by SIGINT at step 3' in capsys.readouterr().out and load_ckpt(tmp_path)['step'] == 3
+
+
+def test_a_resume_that_owes_an_evaluation_without_eval_every(tmp_path):
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    ckpt = load_ckpt(tmp_path)
+    ckpt['eval_owed'] = True  # stopped at an evaluation, resumed without --eval-every
+    torch.save(ckpt, tmp_path / 'run' / 'ckpt.pt')
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--resume', 'auto') == 0
+    assert load_ckpt(tmp_path)['step'] == 4 and not load_ckpt(tmp_path)['eval_owed']
+
+
+@pytest.mark.parametrize('seed', ['-1', str(2 ** 64)])
+def test_seeds_outside_their_range_are_one_line(tmp_path, capsys, seed):
+    assert run(tmp_path, '--steps', '2', '--seed', seed) == 2
+    assert '--seed must be in [0, 4294967295]' in _stderr_line(capsys)
+
+
+def test_evaluation_measures_the_ema_on_held_out_images():
+    run_ = tiny_run(eval_every=8, eval_bpd_images=6, eval_bpd_timesteps=3, eval_fid=False, seed=2)
+    with torch.no_grad():  # an EMA unlike the model
+        for p, e in zip(run_.model.parameters(), run_.ema.parameters()):
+            e.copy_(p + 0.05 * torch.randn_like(p))
+    row = sample.Evaluator(run_)(5, 0.25)
+    assert (row['step'], row['images_seen'], row['train_hours'], row['bpd_images']) == (5, 40, 0.25, 6)
+
+    def bits(net):
+        generator = torch.Generator().manual_seed(2 * 1_000_003 + 5 * 131)  # the evaluation's own stream at step 5
+        images = data.load_heldout('shapes', '', 16, 6)
+        return sample.bits_per_image(net, run_.sched, images, 8, torch.device('cpu'), generator, 3)['total']
+    ema = bits(run_.ema)
+    assert row['bpd'] == pytest.approx(ema.mean().item(), rel=1e-9)
+    assert row['bpd_stderr'] == pytest.approx((ema.std() / 6 ** 0.5).item(), rel=1e-9)
+    assert abs(bits(run_.model).mean().item() - row['bpd']) > 1e-3  # the raw weights would read otherwise
+
+
+def test_evaluation_reads_the_test_split_and_fid_the_training_split(tmp_path, monkeypatch):
+    import sample as sample_module
+    monkeypatch.setattr(torchvision.datasets.cifar, 'check_integrity', lambda *a, **k: True)
+    monkeypatch.setattr(sample_module, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    write_cifar10(tmp_path / 'cifar', train_per_batch=8, test_count=16)
+    run_ = tiny_run(dataset='cifar10', data_dir=str(tmp_path / 'cifar'), image_size=32, eval_every=8,
+                    eval_bpd_images=6)
+    evaluator = sample.Evaluator(run_)
+    test, train_split = (data.load_cifar10(str(tmp_path / 'cifar'), train=split) for split in (False, True))
+    assert torch.equal(evaluator.images, test[:6])
+    expected = sample.statistics(stand_in_extractor(train_split).numpy())
+    assert np.allclose(evaluator.reference['mu'], expected['mu']) and np.allclose(evaluator.reference['sigma'],
+                                                                                   expected['sigma'])
