@@ -9,7 +9,8 @@ One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir (w
     python benchmark.py --sweep batch    sweep       one setting (batch|workers|amp|compile) around that row
     python benchmark.py --loader-only    loaders     images/s each data path delivers vs the step's consumption
     python benchmark.py --quality        quality     held-out loss after N steps: baseline vs all speed-ups
-    python benchmark.py --sampling-only  sampling    DDIM-50 and DDPM-1000: img/s, MFU, time for 50k images
+    python benchmark.py --sampling-only  sampling    DDIM-50, DPM-Solver++, DDPM-1000: img/s, MFU, time for 50k
+    python benchmark.py --solver-accuracy  accuracy  samplers' errors against exact answers, by model calls
 
     python benchmark.py --preset small                       # the ~9M UNet of the reference table
     python benchmark.py --device cpu --preset tiny --quick   # the CPU smoke run the tests use
@@ -21,6 +22,7 @@ Compilation is timed separately and kept out of the throughput.
 """
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
@@ -79,11 +81,16 @@ class BenchConfig:
     sweep_values: str = flag('', 'comma-separated batch sizes or worker counts for --sweep batch|workers '
                                  '(default: 64 to 4096, or 0 2 4 8 workers)')
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
-    sampling: bool = flag(True, 'after the ladder, time DDIM-50 and DDPM-1000 sampling (its own table)')
-    sampling_only: bool = flag(False, 'time only the sampling (DDIM-50, DDPM-1000), no training rows')
+    sampling: bool = flag(True, 'after the ladder, time the samplers: DDIM-50, DPM-Solver++ at 10, 20, 50 calls and '
+                                'DDPM-1000 (their own table)')
+    sampling_only: bool = flag(False, 'time only the samplers, no training rows')
     sample_batch: int = flag(1000, 'images per sampling batch', at_least=1)
     sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
                                     choices=train.COMPILE_MODES)
+    solver_accuracy: bool = flag(False, 'DDIM, DDPM and DPM-Solver++ at 5 to 1000 model calls against exact answers '
+                                        '(a Gaussian mixture with its closed-form denoiser; and --ckpt)')
+    ckpt: str = flag('', 'a trained checkpoint for --solver-accuracy: distance of N-call samples to the 1000-call '
+                         'ODE solution from the same noise')
     quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
                                 'speed-ups (same seed, data, batch) and compare held-out losses')
     steps: int = flag(2000, 'training steps of each --quality run', at_least=1)
@@ -557,9 +564,9 @@ def time_sampler(sample_once, device: torch.device, repeats: int) -> tuple:
 
 
 def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typing.Iterator[dict]:
-    """img/s and MFU of DDIM-50 and DDPM-1000 on one batch of `--sample-batch` images, a row
-    as each is done."""
-    from diffusion import ddim_sample, ddpm_sample, make_schedule
+    """img/s and MFU of DDIM-50, DPM-Solver++ at 10, 20 and 50 calls and DDPM-1000 on one batch of
+    `--sample-batch` images, a row as each is done."""
+    from diffusion import ddim_sample, ddpm_sample, dpm_solver_sample, make_schedule
     model, precision, settings = sampling_model(bench, device)
     quick_cpu = bench.quick and device.type == 'cpu'
     ddim_steps, num_steps = (10, 100) if quick_cpu else (50, 1000)  # --quick on a CPU: the wiring, not the speed
@@ -568,11 +575,14 @@ def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typin
     shape = (batch, 3, bench.image_size, bench.image_size)
     generator = torch.Generator(device).manual_seed(bench.seed)
     amp = 'bf16' if precision == 'bf16' else 'off'
-    for name, steps, repeats, draw_batch in [
-            (f'DDIM-{ddim_steps}', ddim_steps, 1 if bench.quick else 3,
-             lambda: ddim_sample(model, sched, shape, ddim_steps, generator=generator, device=device)),
-            (f'DDPM-{num_steps}', num_steps, 1,
-             lambda: ddpm_sample(model, sched, shape, generator, device))]:
+    repeats = 1 if bench.quick else 3
+    samplers = [(f'DDIM-{ddim_steps}', ddim_steps, repeats,
+                 lambda: ddim_sample(model, sched, shape, ddim_steps, generator=generator, device=device))]
+    for calls in (5, 10) if quick_cpu else (10, 20, 50):
+        samplers.append((f'DPM-Solver++-{calls}', calls, repeats, functools.partial(
+            dpm_solver_sample, model, sched, shape, calls, generator=generator, device=device)))
+    samplers.append((f'DDPM-{num_steps}', num_steps, 1, lambda: ddpm_sample(model, sched, shape, generator, device)))
+    for name, steps, repeats, draw_batch in samplers:
         print(f'sampling: {name} ...', flush=True)
         try:
             with autocast(amp, device):
@@ -617,6 +627,159 @@ def sampling_table(rows: list) -> str:
                      f"{r['seconds_per_batch']:.3f} | {r['img_per_s']:,.1f} | {r['tflops']:.2f} | "
                      f"{fmt(r['mfu'], '.1%')} | {r['seconds_for_50k'] / 60:.1f} min |")
     return '\n'.join(lines)
+
+
+# ----------------------------------------------------------------------------- sampler accuracy
+
+SOLVER_CALLS = (5, 10, 20, 50, 100, 1000)
+
+
+class GaussianMixture(torch.nn.Module):
+    """Data from a mixture of isotropic Gaussians N(mu_k, s^2 I) with weights w_k, and its exact
+    denoiser, in closed form: x_t | k ~ N(alpha mu_k, v I) with v = alpha^2 s^2 + sigma^2, so
+    E[x_0 | x_t] = sum_k gamma_k (mu_k + alpha s^2 / v (x_t - alpha mu_k)), gamma_k the posterior
+    weight of component k, and the perfect model predicts eps = (x_t - alpha E[x_0 | x_t]) / sigma.
+    A sampler's error is then measured without a trained network. Data are (N, D, 1, 1)."""
+
+    def __init__(self, sched, means, std: float, weights):
+        super().__init__()
+        self.abar = sched.alphas_cumprod.double()
+        self.means, self.std = torch.as_tensor(means, dtype=torch.float64), std  # (K, D)
+        self.weights = torch.as_tensor(weights, dtype=torch.float64)
+
+    def forward(self, xt, t):
+        x = xt.double().flatten(1)  # (B, D)
+        abar = self.abar.to(x.device)[t].view(-1, 1, 1)  # (B, 1, 1)
+        alpha, sigma2 = abar.sqrt(), 1 - abar
+        v = abar * self.std ** 2 + sigma2
+        centred = x[:, None, :] - alpha * self.means.to(x.device)  # (B, K, D)
+        logits = self.weights.log().to(x.device) - centred.square().sum(-1) / (2 * v[:, :, 0])  # (B, K)
+        gamma = logits.softmax(-1)[:, :, None]
+        x0 = (gamma * (self.means.to(x.device) + alpha * self.std ** 2 / v * centred)).sum(1)
+        eps = (x - alpha[:, 0] * x0) / sigma2[:, 0].sqrt()
+        return eps.view_as(xt).to(xt.dtype)
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
+        noise = torch.randn(n, self.means.shape[1], generator=generator, dtype=torch.float64)
+        return (self.means[k] + self.std * noise)[:, :, None, None]
+
+    def moments(self) -> tuple:
+        mean = self.weights @ self.means
+        second = (self.weights[:, None, None] * (self.means[:, :, None] * self.means[:, None, :])).sum(0)
+        return mean, second + self.std ** 2 * torch.eye(len(mean), dtype=torch.float64) - mean[:, None] * mean[None]
+
+
+def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, projections: int = 128, seed: int = 0) -> float:
+    """The sliced Wasserstein-1 distance of two equal-sized sets of points: the W1 distance of
+    their 1-D projections (sorted and matched), averaged over random directions."""
+    a, b = a.flatten(1).double(), b.flatten(1).double()
+    generator = torch.Generator().manual_seed(seed)
+    directions = torch.randn(a.shape[1], projections, generator=generator, dtype=torch.float64)
+    directions /= directions.norm(dim=0)
+    return ((a @ directions).sort(0).values - (b @ directions).sort(0).values).abs().mean().item()
+
+
+def solver_run(sampler: str, calls: int, model, sched, shape, seed: int, device) -> torch.Tensor:
+    """x_0 from x_T drawn with `seed` (the same x_T for every sampler), in `calls` model calls.
+    'ddpm' with fewer calls than T is the ancestral sampler over a strided sub-sequence (DDIM at
+    eta 1). No clipping of the predicted x_0: the samplers solve the same ODE or SDE."""
+    from diffusion import ddim_sample, ddpm_sample, dpm_solver_sample
+    generator = torch.Generator(device).manual_seed(seed)
+    dtype = torch.float64 if isinstance(model, GaussianMixture) else torch.float32
+    if sampler.startswith('dpm++'):
+        spacing = sampler.split('-')[-1] if '-' in sampler else 'logsnr'
+        return dpm_solver_sample(model, sched, shape, calls, spacing, generator=generator, device=device, dtype=dtype)
+    if sampler == 'ddpm' and calls == sched.num_steps:
+        return ddpm_sample(model, sched, shape, generator, device, clip_denoised=False, dtype=dtype)
+    return ddim_sample(model, sched, shape, calls, 1.0 if sampler == 'ddpm' else 0.0, generator, device,
+                       clip_denoised=False, dtype=dtype)
+
+
+def run_solver_accuracy(bench: BenchConfig) -> dict:
+    """DDIM, DDPM and DPM-Solver++ at 5 to 1000 model calls, measured against exact answers: on a
+    Gaussian mixture with its closed-form denoiser, the error of the samples' mean, covariance
+    and distribution (sliced W1 against true samples) and the distance to the converged ODE
+    solution from the same noise (DPM-Solver++ over all T timesteps); with --ckpt, the same
+    distance for a trained model's images."""
+    from diffusion import make_schedule
+    device = pick_device(bench.device)
+    calls = (5, 20) if bench.quick else SOLVER_CALLS  # --quick: the wiring, with a 1000-call reference still
+    samplers = ['ddim', 'ddpm', 'dpm++-time', 'dpm++-logsnr']
+    sched = make_schedule(1000)
+    n = 1000 if bench.quick else 20000
+    mixture = GaussianMixture(sched, [[-0.5, -0.4], [0.5, -0.3], [0.0, 0.6]], 0.08, [0.3, 0.3, 0.4])
+    true_mean, true_cov = mixture.moments()
+    truth = mixture.sample(n, torch.Generator().manual_seed(bench.seed + 1))
+    shape = (n, 2, 1, 1)
+    ode = solver_run('dpm++-time', sched.num_steps, mixture, sched, shape, bench.seed, torch.device('cpu'))
+    rows = []
+    for sampler in samplers:
+        for k in calls:
+            print(f'accuracy: {sampler}, {k} calls ...', flush=True)
+            x = solver_run(sampler, k, mixture, sched, shape, bench.seed, torch.device('cpu'))
+            flat = x.flatten(1)
+            rows.append({'data': 'gaussian mixture (2-D)', 'sampler': sampler, 'calls': k,
+                         'mean_error': (flat.mean(0) - true_mean).norm().item(),
+                         'cov_error': (torch.cov(flat.T) - true_cov).norm().item(),
+                         'sliced_w1': sliced_wasserstein(x, truth),
+                         'to_ode': None if sampler == 'ddpm' else (x - ode).square().mean().sqrt().item()})
+    floor = {'sliced_w1': sliced_wasserstein(mixture.sample(n, torch.Generator().manual_seed(bench.seed + 2)), truth)}
+    if bench.ckpt:
+        import sample
+        model, config, trained_sched = sample.load_model(bench.ckpt, 'ema', device)
+        shape = (min(bench.sample_batch, 2 if bench.quick else 64), 3, config.image_size, config.image_size)
+        reference = solver_run('dpm++-time', trained_sched.num_steps, model, trained_sched, shape, bench.seed, device)
+        for sampler in [s for s in samplers if s != 'ddpm']:
+            for k in calls:
+                print(f'accuracy: {sampler}, {k} calls, {bench.ckpt} ...', flush=True)
+                x = solver_run(sampler, k, model, trained_sched, shape, bench.seed, device)
+                rows.append({'data': f'trained model ({bench.ckpt})', 'sampler': sampler, 'calls': k,
+                             'to_ode': (x - reference).float().square().mean().sqrt().item()})
+    meta = {**header(bench, device, {}, 'gaussian mixture'), 'samples': n, 'rows': rows, 'floor': floor}
+    stem = output_stem(bench, device, 'solver-accuracy')
+    table = accuracy_table(rows)
+    png = write_report(bench, stem, meta, 'Sampler accuracy against exact answers', table,
+                       notes=f"; {n} samples of a 2-D Gaussian mixture with its exact denoiser (sliced W1 between "
+                             f"two sets of true samples: {floor['sliced_w1']:.4f}, the noise floor)")
+    accuracy_plot(rows, png, floor)
+    print(table)
+    return meta
+
+
+def accuracy_table(rows: list) -> str:
+    lines = ['| Data | Sampler | Model calls | mean error | covariance error | sliced W1 | RMS to the ODE solution |',
+             '| :- | :- | -: | -: | -: | -: | -: |']
+    for r in rows:
+        lines.append(f"| {r['data']} | {r['sampler']} | {r['calls']} | {fmt(r.get('mean_error'), '.4f')} | "
+                     f"{fmt(r.get('cov_error'), '.4f')} | {fmt(r.get('sliced_w1'), '.4f')} | "
+                     f"{fmt(r.get('to_ode'), '.2e')} |")
+    return '\n'.join(lines)
+
+
+def accuracy_plot(rows: list, path: str, floor: dict = None):
+    """Error against model calls, log-log: one panel per measure and data, one colour per sampler."""
+    plt = pyplot()
+    colours = {'ddim': 'tab:blue', 'ddpm': 'tab:gray', 'dpm++-time': 'tab:orange', 'dpm++-logsnr': 'tab:green'}
+    panels = [('gaussian mixture (2-D)', 'sliced_w1', 'sliced W1 to the true distribution'),
+              ('gaussian mixture (2-D)', 'to_ode', 'RMS distance to the ODE solution')]
+    panels += [(d, 'to_ode', 'RMS distance to the ODE solution') for d in dict.fromkeys(r['data'] for r in rows)
+               if d.startswith('trained')]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (source, key, label) in zip(axes[0], panels):
+        for sampler, colour in colours.items():
+            points = [(r['calls'], r[key]) for r in rows if r['data'] == source and r['sampler'] == sampler
+                      and r.get(key)]
+            if points:
+                ax.loglog(*zip(*points), 'o-', color=colour, label=sampler)
+        if key == 'sliced_w1' and floor:
+            ax.axhline(floor['sliced_w1'], color='black', linestyle=':', label='two true samples (noise floor)')
+        ax.set_xlabel('model calls per image')
+        ax.set_ylabel(label)
+        ax.set_title(source if len(source) < 48 else source[:45] + '...', fontsize=9)
+        ax.grid(alpha=0.3, which='both')
+        ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
 
 
 # ----------------------------------------------------------------------------- quality
@@ -946,7 +1109,7 @@ def loader_plot(result: dict, path: str):
 
 # The modes besides the ladder: the flag that asks for each, and what runs it.
 MODES = {'profile': profile_best_row, 'sweep': run_sweep, 'loader_only': run_loader_only, 'quality': run_quality,
-         'sampling_only': run_sampling_only}
+         'sampling_only': run_sampling_only, 'solver_accuracy': run_solver_accuracy}
 
 
 def validate(bench: BenchConfig) -> BenchConfig:

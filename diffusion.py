@@ -196,6 +196,89 @@ def ddim_sample(model, sched: Schedule, shape, steps: int = 50, eta: float = 0.0
     return x.clamp(-1, 1)
 
 
+def log_snr(sched: Schedule, step: int) -> float:
+    """lambda_t = log(alpha_t / sigma_t) with alpha_t = sqrt(abar_t), sigma_t = sqrt(1 - abar_t): the
+    half log signal-to-noise ratio that DPM-Solver integrates over (Lu et al. 2022, section 3.1).
+    step=-1 is the data itself (sigma = 0): +inf."""
+    if step < 0:
+        return math.inf
+    abar = float(sched.alphas_cumprod[step])
+    return 0.5 * (math.log(abar) - math.log1p(-abar))
+
+
+def dpm_solver_timesteps(sched: Schedule, steps: int, spacing: str = 'logsnr') -> list:
+    """The `steps` timesteps DPM-Solver++ calls the model at, decreasing from T-1; after the last,
+    the solver steps to the data (sigma = 0). 'time': uniform in t, the largest `steps` of
+    round(linspace(0, T-1, steps + 1)) (diffusers' 'linspace' spacing). 'logsnr': uniform in
+    lambda_t between lambda_{T-1} and lambda_0 (Lu et al. 2022, section 3.3), each rounded to the
+    timestep of nearest lambda. Either way timesteps that round to one are moved apart (with
+    steps = T, every timestep)."""
+    num_steps = sched.num_steps
+    if not 1 <= steps <= num_steps:
+        raise ValueError(f'sample steps must be in [1, {num_steps}], got {steps}')
+    if spacing == 'time':
+        return _distinct([int(t) for t in np.linspace(0, num_steps - 1, steps + 1).round()[::-1][:-1]])
+    if spacing != 'logsnr':
+        raise ValueError(f"spacing must be 'time' or 'logsnr', got {spacing!r}")
+    lambdas = np.array([log_snr(sched, t) for t in range(num_steps)])  # decreasing in t
+    targets = np.linspace(lambdas[-1], lambdas[0], steps) if steps > 1 else lambdas[-1:]
+    return _distinct([int(np.abs(lambdas - target).argmin()) for target in targets])
+
+
+def _distinct(timesteps: list) -> list:
+    """Decreasing timesteps where neighbours rounded to one step are moved apart: down from the
+    top (where lambda may move slowly), then, where that passed below 0, up from 0 (where lambda
+    moves fast). With as many steps as T, every timestep."""
+    for i in range(1, len(timesteps)):
+        timesteps[i] = min(timesteps[i], timesteps[i - 1] - 1)
+    if timesteps[-1] < 0:
+        timesteps[-1] = 0
+        for i in range(len(timesteps) - 2, -1, -1):
+            timesteps[i] = max(timesteps[i], timesteps[i + 1] + 1)
+    return timesteps
+
+
+def dpm_solver_step(sched: Schedule, xt: torch.Tensor, eps: torch.Tensor, step: int, prev_step: int,
+                    history: tuple = None) -> tuple:
+    """One DPM-Solver++ update of the probability-flow ODE for the data prediction
+    x0 = (x_t - sigma_t eps) / alpha_t (Lu et al. 2022, "DPM-Solver++", eq. 9), from timestep
+    `step` to `prev_step` (-1: to sigma = 0), with h = lambda_prev - lambda_step:
+    first order (DPM-Solver++(1), DDIM's update): x_prev = sigma_prev / sigma_t x_t - alpha_prev (e^-h - 1) x0;
+    second order, multistep (2M, Algorithm 2), given `history` = (x0, step) of the update before:
+    x0 replaced by D = x0 + (x0 - x0_before) / (2 r), r = h_before / h. Returns (x_prev, x0)."""
+    abar = float(sched.alphas_cumprod[step])
+    abar_prev = float(sched.alphas_cumprod[prev_step]) if prev_step >= 0 else 1.0
+    x0 = (xt - math.sqrt(1 - abar) * eps) / math.sqrt(abar)
+    h = log_snr(sched, prev_step) - log_snr(sched, step)
+    data = x0
+    if history is not None:
+        x0_before, step_before = history
+        r = (log_snr(sched, step) - log_snr(sched, step_before)) / h
+        data = x0 + (x0 - x0_before) / (2 * r)
+    return math.sqrt((1 - abar_prev) / (1 - abar)) * xt - math.sqrt(abar_prev) * math.expm1(-h) * data, x0
+
+
+@torch.no_grad()
+def dpm_solver_sample(model, sched: Schedule, shape, steps: int = 20, spacing: str = 'logsnr',
+                      generator: torch.Generator = None, device='cpu', progress: bool = False,
+                      dtype=torch.float32, x: torch.Tensor = None):
+    """DPM-Solver++(2M) (Lu et al. 2022, "DPM-Solver++", Algorithm 2): the probability-flow ODE
+    from x_T ~ N(0, I) (or `x`) over dpm_solver_timesteps, one model call per step, second order
+    multistep except at the first step and the last (to sigma = 0), which are first order (as
+    diffusers' DPMSolverMultistepScheduler with lower_order_final and final sigma 0). The
+    predicted x_0 is not clipped. Returns images clamped to [-1, 1]."""
+    timesteps = dpm_solver_timesteps(sched, steps, spacing)
+    sched_cpu = sched.to('cpu')  # coefficients as python floats: no device sync per step
+    x = _randn(shape, generator, device, dtype) if x is None else x
+    history = None
+    for i in tqdm(range(len(timesteps)), disable=not progress, desc='dpm-solver++'):
+        step, prev_step = timesteps[i], (timesteps[i + 1] if i + 1 < len(timesteps) else -1)
+        eps = model(x, torch.full((shape[0],), step, device=device, dtype=torch.long)).to(x.dtype)
+        x, x0 = dpm_solver_step(sched_cpu, x, eps, step, prev_step, history if prev_step >= 0 else None)
+        history = (x0, step)
+    return x.clamp(-1, 1)
+
+
 def normal_kl(mean1, log_var1, mean2, log_var2) -> torch.Tensor:
     """KL(N(mean1, exp(log_var1)) || N(mean2, exp(log_var2))), elementwise, in nats."""
     return 0.5 * (-1.0 + log_var2 - log_var1 + (log_var1 - log_var2).exp()

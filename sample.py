@@ -44,8 +44,11 @@ class SampleConfig:
     ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py, or a diffusers UNet2DModel or pipeline '
                                      'folder (such as google/ddpm-cifar10-32)')
     num: int = flag(64, 'images to draw', at_least=1)
-    sampler: str = flag('ddim', 'ddim (any --steps) or ddpm (all T steps, ancestral)', choices=('ddim', 'ddpm'))
-    steps: int = flag(50, 'DDIM steps', at_least=1)
+    sampler: str = flag('ddim', 'ddim (any --steps), dpm++ (DPM-Solver++(2M), any --steps; its accuracy by steps: '
+                                'docs/sampling.md) or ddpm (all T steps, ancestral)',
+                        choices=('ddim', 'dpm++', 'ddpm'))
+    steps: int = flag(50, 'model calls of ddim and dpm++', at_least=1)
+    spacing: str = flag('logsnr', 'timesteps of dpm++: uniform in log-SNR or in time', choices=('logsnr', 'time'))
     eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise; above 1 would ask for more noise than the '
                            'step\'s posterior has)', at_least=0, at_most=1)
     variance: str = flag('fixedlarge', 'DDPM variance', choices=('fixedlarge', 'fixedsmall'))
@@ -165,6 +168,8 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, star
     with autocast(sampling_amp(cfg.amp, device), device):
         if cfg.sampler == 'ddpm':
             x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
+        elif cfg.sampler == 'dpm++':
+            x = diffusion.dpm_solver_sample(model, sched, shape, cfg.steps, cfg.spacing, generator, device)
         else:
             x = diffusion.ddim_sample(model, sched, shape, cfg.steps, cfg.eta, generator, device)
     if not x.isfinite().all():
@@ -182,7 +187,8 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
 GRID_LIMIT = 4096  # images in one --grid PNG (it is held in memory)
-SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'variance', 'batch_size', 'format', 'seed', 'amp')
+SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'batch_size', 'format', 'seed',
+            'amp')
 
 
 def sample_settings(cfg: SampleConfig) -> dict:
@@ -326,6 +332,9 @@ def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
     with autocast(cfg.amp, device):
         if cfg.sampler == 'ddpm':
             images = diffusion.ddpm_sample(model, sched, shape, generator, device)
+        elif cfg.sampler == 'dpm++':
+            images = diffusion.dpm_solver_sample(model, sched, shape, cfg.sample_steps, generator=generator,
+                                                 device=device)
         else:
             images = diffusion.ddim_sample(model, sched, shape, cfg.sample_steps, generator=generator, device=device)
     write_grid_png(to_uint8(images), path)
@@ -539,7 +548,7 @@ class Evaluator:
                    bpd_model_calls_per_image=summary['model_calls_per_image'])
         if self.extractor is not None:
             stats = statistics(np.concatenate(features).astype('float64'))
-            steps = cfg.sample_steps if cfg.sampler == 'ddim' else run.sched.num_steps
+            steps = run.sched.num_steps if cfg.sampler == 'ddpm' else cfg.sample_steps
             row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
                        fid_sampler=f'{cfg.sampler}-{steps}')
         row['eval_seconds'] = time.perf_counter() - start
@@ -608,7 +617,7 @@ def add_hours_axis(ax, rows: list):
 def validate(cfg: SampleConfig, sched: diffusion.Schedule):
     """The flags that depend on the model's schedule, and the output folder (created and
     checked writable); check_ranges checked the others before the model was loaded."""
-    if cfg.sampler == 'ddim' and cfg.steps > sched.num_steps:
+    if cfg.sampler != 'ddpm' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
         raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')

@@ -72,8 +72,9 @@ class TrainConfig:
     log_every: int = flag(100, 'steps between metrics.jsonl lines (and held-out loss)', at_least=1)
     heldout_size: int = flag(256, 'images in the fixed held-out set (fixed timesteps and noise)', at_least=1)
     sample_every: int = flag(1, 'epochs between sample grids (0: never)', at_least=0)
-    sampler: str = flag('ddim', 'sampler for the grids', choices=('ddim', 'ddpm'))
-    sample_steps: int = flag(50, 'DDIM steps for the grids (ddpm always takes all T steps)',
+    sampler: str = flag('ddim', 'sampler of the grids and the FID evaluations (dpm++: DPM-Solver++(2M), log-SNR steps)',
+                        choices=('ddim', 'dpm++', 'ddpm'))
+    sample_steps: int = flag(50, 'model calls per image of ddim and dpm++ (ddpm always takes all T)',
                              at_least=1, at_most=NUM_TIMESTEPS)
     num_samples: int = flag(64, 'images per sample grid', at_least=1)
     eval_every: int = flag(0, 'training images between evaluations (0: none): FID of EMA samples and bits/dim of '

@@ -112,7 +112,8 @@ def test_profile_and_sampling(campaign):
     assert trace['traceEvents']
     sampling = load(campaign, 'sampling')
     rows = {row['name']: row for row in sampling['sampling']}
-    assert set(rows) == {'DDIM-10', 'DDPM-100'}  # --quick on a CPU; DDIM-50 and DDPM-1000 on a GPU
+    # --quick on a CPU; DDIM-50, DPM-Solver++ at 10, 20 and 50 calls and DDPM-1000 on a GPU.
+    assert set(rows) == {'DDIM-10', 'DPM-Solver++-5', 'DPM-Solver++-10', 'DDPM-100'}
     for row in rows.values():
         assert row['img_per_s'] == pytest.approx(row['batch_size'] / row['seconds_per_batch'])
         assert row['tflops'] == pytest.approx(row['img_per_s'] * row['steps'] * sampling['flops_per_image']['forward']
@@ -254,3 +255,23 @@ def test_measure_script_refuses_missing_wheels(tmp_path, root):
 def test_cpu_runs_stay_out_of_the_committed_results(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     assert benchmark.validate(benchmark.BenchConfig(device='cpu')).out_dir == 'runs/benchmark'
+
+
+def test_solver_accuracy_against_exact_answers(tmp_path, root):
+    # The quick form: the 2-D Gaussian mixture with its exact denoiser, and a trained checkpoint's
+    # distance to its 1000-call ODE solution.
+    import train
+    assert train.cli(['--preset', 'tiny', '--dataset', 'shapes', '--shapes-count', '64', '--image-size', '16',
+                      '--batch-size', '8', '--steps', '2', '--device', 'cpu', '--sample-every', '0',
+                      '--out-dir', str(tmp_path / 'run')]) == 0
+    result = benchmark.main(['--solver-accuracy', '--quick', '--device', 'cpu', '--preset', 'tiny', '--out-dir',
+                             str(tmp_path), '--ckpt', str(tmp_path / 'run' / 'ckpt.pt'), '--sample-batch', '4'])
+    rows = {(r['data'][:7], r['sampler'], r['calls']): r for r in result['rows']}
+    assert {calls for _, _, calls in rows} == {5, 20}
+    for sampler in ('ddim', 'dpm++-time', 'dpm++-logsnr'):
+        assert rows['gaussia', sampler, 20]['to_ode'] < rows['gaussia', sampler, 5]['to_ode']
+        assert rows['trained', sampler, 20]['to_ode'] < rows['trained', sampler, 5]['to_ode']
+    assert rows['gaussia', 'ddpm', 5]['to_ode'] is None and ('trained', 'ddpm', 5) not in rows
+    assert rows['gaussia', 'dpm++-logsnr', 20]['sliced_w1'] < rows['gaussia', 'ddim', 20]['sliced_w1']
+    assert 0 < result['floor']['sliced_w1'] < 0.05
+    assert (tmp_path / 'cpu-tiny-solver-accuracy.png').read_bytes()[:4] == b'\x89PNG'

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
-                       make_schedule, p_mean_variance, q_posterior, q_sample, training_loss, vlb_bits_per_dim,
-                       vlb_bits_per_dim_mc)
+                       dpm_solver_sample, dpm_solver_timesteps, log_snr, make_schedule, p_mean_variance, q_posterior,
+                       q_sample, training_loss, vlb_bits_per_dim, vlb_bits_per_dim_mc)
 from helpers import NO_DIFFUSERS
 from model import UNet, get_config
 
@@ -417,3 +417,121 @@ def test_monte_carlo_strata_by_hand_and_every_timestep_reachable(monkeypatch):
     for t, low, n in zip(strata, lows, sizes):
         counts = torch.bincount(t - low, minlength=n)
         assert len(counts) == n and counts.min() > copies / n - 5 * (copies / n) ** 0.5  # all reached, uniformly
+
+
+class SmoothModel(torch.nn.Module):
+    """A closed-form epsilon model that depends on x_t and t nonlinearly (any such model will do
+    to compare two implementations of one solver)."""
+    def forward(self, xt, t):
+        scale = (t.to(xt.dtype) / 1000 + 0.1).view(-1, 1, 1, 1)
+        return torch.tanh(1.5 * xt * scale) + 0.3 * torch.sin(2 * xt + scale)
+
+
+@pytest.mark.parametrize('kind', ['linear', 'cosine'])
+@pytest.mark.parametrize('spacing', ['time', 'logsnr'])
+@pytest.mark.parametrize('steps', [7, 20])
+def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps):
+    # Our DPM-Solver++(2M) loop against diffusers' DPMSolverMultistepScheduler driven by its own
+    # step(), same timesteps and initial noise, in float64. Two precision fixes on their side: their
+    # sigmas are float32 (given ours in float64 instead) and step() casts the sample to float32
+    # (an upcast for fp16 models, a downcast here: mapped to float64 while it runs).
+    diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
+    sched, model, shape = make_schedule(1000, kind), SmoothModel(), (2, 3, 4, 4)
+    ours = dpm_solver_sample(model, sched, shape, steps, spacing, generator=torch.Generator().manual_seed(0),
+                             dtype=torch.float64)
+    theirs = diffusers.DPMSolverMultistepScheduler(
+        num_train_timesteps=1000, beta_schedule={'linear': 'linear', 'cosine': 'squaredcos_cap_v2'}[kind],
+        algorithm_type='dpmsolver++', solver_order=2, solver_type='midpoint', lower_order_final=True,
+        final_sigmas_type='zero', prediction_type='epsilon', thresholding=False)
+    timesteps = dpm_solver_timesteps(sched, steps, spacing)
+    if spacing == 'time':
+        theirs.set_timesteps(steps)
+        assert theirs.timesteps.tolist() == timesteps  # their own 'linspace' spacing is ours
+    else:
+        theirs.set_timesteps(timesteps=timesteps)
+    abar = sched.alphas_cumprod[timesteps]
+    theirs.sigmas = torch.cat([((1 - abar) / abar).sqrt(), torch.zeros(1, dtype=torch.float64)])
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, 'float32', torch.float64)
+        for t in theirs.timesteps:
+            x = theirs.step(model(x, t.repeat(shape[0])), t, x).prev_sample
+    assert x.dtype == torch.float64
+    assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10
+    assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10 < (ours - ddim_sample(
+        model, sched, shape, steps, generator=torch.Generator().manual_seed(0), clip_denoised=False,
+        dtype=torch.float64)).abs().max()  # DDIM at as many steps is another path
+
+
+def test_dpm_solver_timesteps():
+    sched = make_schedule(1000)
+    assert dpm_solver_timesteps(sched, 4, 'time') == [999, 749, 500, 250]
+    steps = dpm_solver_timesteps(sched, 10, 'logsnr')
+    assert steps[0] == 999 and steps[-1] == 0 and steps == sorted(steps, reverse=True)
+    lambdas = [log_snr(sched, t) for t in steps]
+    gaps = np.diff(lambdas)
+    assert np.allclose(gaps, gaps.mean(), rtol=0.2)  # even steps in log-SNR, up to rounding to timesteps
+    assert log_snr(sched, -1) == math.inf
+    assert log_snr(sched, 3) == pytest.approx(0.5 * math.log(sched.alphas_cumprod[3].item()
+                                                             / (1 - sched.alphas_cumprod[3].item())), rel=1e-12)
+    with pytest.raises(ValueError):
+        dpm_solver_timesteps(sched, 0)
+
+
+class GaussianDenoiser(torch.nn.Module):
+    """The exact epsilon model of data N(mu, s^2 I): x_t ~ N(alpha mu, (alpha^2 s^2 + sigma^2) I), so
+    E[x_0 | x_t] = mu + alpha s^2 / (alpha^2 s^2 + sigma^2) (x_t - alpha mu), and
+    eps = (x_t - alpha E[x_0 | x_t]) / sigma."""
+    def __init__(self, sched, mu, s):
+        super().__init__()
+        self.abar, self.mu, self.s = sched.alphas_cumprod, mu.view(1, -1, 1, 1), s
+
+    def forward(self, xt, t):
+        abar = self.abar[t].view(-1, 1, 1, 1)
+        alpha, sigma2 = abar.sqrt(), 1 - abar
+        x0 = self.mu + alpha * self.s ** 2 / (abar * self.s ** 2 + sigma2) * (xt - alpha * self.mu)
+        return (xt - alpha * x0) / sigma2.sqrt()
+
+
+def test_dpm_solver_reaches_the_exact_ode_solution_at_second_order():
+    # For Gaussian data the probability-flow ODE carries each marginal to the next by an affine map:
+    # x_T goes to mu + s (x_T - alpha_T mu) / sqrt(alpha_T^2 s^2 + sigma_T^2), exactly. DDIM (DPM-Solver++
+    # of order 1) approaches it at order 1, DPM-Solver++(2M) at order 2, and at every timestep (1000
+    # calls) both come within what the discrete schedule allows.
+    sched = make_schedule(1000)
+    mu, s, shape = torch.tensor([0.2, -0.1], dtype=torch.float64), 0.2, (500, 2, 1, 1)
+    model = GaussianDenoiser(sched, mu, s)
+    x_T = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    abar_T = sched.alphas_cumprod[-1].item()
+    exact = model.mu + s * (x_T - math.sqrt(abar_T) * model.mu) / math.sqrt(abar_T * s ** 2 + 1 - abar_T)
+
+    def error(sampler, calls, **kwargs):
+        x = sampler(model, sched, shape, calls, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
+                    **kwargs)
+        return (x - exact).square().mean().sqrt().item()
+    ddim = [error(ddim_sample, n, clip_denoised=False) for n in (20, 40, 80)]
+    dpm = [error(dpm_solver_sample, n, spacing='time') for n in (20, 40, 80)]
+    assert 0.8 < math.log2(ddim[0] / ddim[2]) / 2 < 1.2, ddim  # first order
+    assert math.log2(dpm[0] / dpm[2]) / 2 > 1.6, dpm  # second order
+    assert error(dpm_solver_sample, 1000, spacing="time") < 2e-4
+    assert error(ddim_sample, 1000, clip_denoised=False) < 2e-3
+    assert error(dpm_solver_sample, 20) < error(ddim_sample, 50, clip_denoised=False) / 5  # log-SNR steps, 20 calls
+
+
+def test_the_benchmarks_gaussian_mixture_is_the_exact_denoiser():
+    from benchmark import GaussianMixture
+    sched = make_schedule(1000)
+    mu = torch.tensor([0.2, -0.1], dtype=torch.float64)
+    x = torch.randn(6, 2, 1, 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    t = torch.tensor([0, 10, 200, 500, 900, 999])
+    one = GaussianMixture(sched, [mu.tolist()], 0.2, [1.0])
+    assert torch.allclose(one(x, t), GaussianDenoiser(sched, mu, 0.2)(x, t), rtol=1e-12, atol=1e-12)
+    two = GaussianMixture(sched, [[0.5, 0.0], [-0.5, 0.0]], 0.1, [0.25, 0.75])
+    mean, cov = two.moments()
+    assert torch.allclose(mean, torch.tensor([-0.25, 0.0], dtype=torch.float64))
+    assert torch.allclose(cov, torch.tensor([[0.01 + 0.1875, 0.0], [0.0, 0.01]], dtype=torch.float64))
+    # Far from one component, the posterior is the other's: E[x_0 | x_t] of a single Gaussian.
+    near = torch.tensor([[[[-0.5]], [[0.0]]]], dtype=torch.float64)
+    other = GaussianMixture(sched, [[-0.5, 0.0]], 0.1, [1.0])
+    step = torch.tensor([5])
+    assert torch.allclose(two(near, step), other(near, step), rtol=1e-6)

@@ -333,3 +333,21 @@ def test_unreadable_weight_files_are_one_line(tmp_path, capsys, monkeypatch):
     (tmp_path / 'random.pt').write_bytes(os.urandom(4096))
     assert sample.cli(['--ckpt', str(tmp_path / 'random.pt'), '--num', '1', '--device', 'cpu']) == 2
     assert 'not a train.py checkpoint (not a file written by torch.save)' in capsys.readouterr().err
+
+
+def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
+    saved = torch.load(ckpt, weights_only=True)
+    generator = torch.Generator().manual_seed(0)
+    for tensor in saved['ema'].values():  # weights whose output matters (the untrained last layer is ~0)
+        tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
+    torch.save(saved, tmp_path / 'trained.pt')
+    model, _, sched = sample.load_model(str(tmp_path / 'trained.pt'), 'ema', torch.device('cpu'))
+    for spacing in ('logsnr', 'time'):
+        assert sample.cli(['--ckpt', str(tmp_path / 'trained.pt'), '--sampler', 'dpm++', '--steps', '4', '--spacing',
+                           spacing, '--num', '3', '--batch-size', '3', '--device', 'cpu', '--format', 'npz',
+                           '--out', str(tmp_path / spacing)]) == 0
+        got = torch.from_numpy(np.load(tmp_path / spacing / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
+        x = diffusion.dpm_solver_sample(model, sched, (3, 3, 16, 16), 4, spacing,
+                                        generator=torch.Generator().manual_seed(batch_seed(0, 0)))
+        assert torch.equal(got, sample.to_uint8(x))
+    assert not np.array_equal(*(np.load(tmp_path / s / 'samples_3x16.npz')['arr_0'] for s in ('logsnr', 'time')))

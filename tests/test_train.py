@@ -174,13 +174,15 @@ def test_heldout_loss_is_deterministic_and_without_dropout():
     assert torch.allclose(a, expected)
 
 
-def test_sample_grid_holds_the_samplers_images(tmp_path):
-    run = tiny_run(num_samples=4, sample_steps=3, seed=7)
+@pytest.mark.parametrize('sampler', ['ddim', 'dpm++'])
+def test_sample_grid_holds_the_samplers_images(tmp_path, sampler):
+    run = tiny_run(num_samples=4, sample_steps=3, seed=7, sampler=sampler)
     sample.write_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
     grid = torchvision.io.read_image(str(tmp_path / 'grid.png'))
     assert grid.shape == (3, 2 * 16 + 3 * 2, 2 * 16 + 3 * 2)  # 2 x 2 images, 2-pixel padding
+    draw = {'ddim': diffusion.ddim_sample, 'dpm++': diffusion.dpm_solver_sample}[sampler]
     with torch.no_grad():
-        x = diffusion.ddim_sample(run.model, run.sched, (4, 3, 16, 16), 3, generator=torch.Generator().manual_seed(7))
+        x = draw(run.model, run.sched, (4, 3, 16, 16), 3, generator=torch.Generator().manual_seed(7))
     expected = ((x + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
     for i in range(4):
         row, col = divmod(i, 2)
