@@ -241,42 +241,49 @@ def atomic_open(path: str, mode: str = 'w', durable: bool = True):
         yield f
 
 
-def claim_folder(folder: str, flag: str, leftovers: tuple = ()):
+def claim_folder(folder: str, flag: str, leftovers: tuple = (), set_aside: tuple = ()):
     """One run per output folder. Creates FOLDER/lock (pid, host, start time) or refuses with a
     ConfigError naming the run that holds it; the lock of a dead process on this host is taken
     over. Then removes the temporary files (glob patterns `leftovers`, such as 'ckpt.pt.tmp')
-    that a killed run left, since no live run writes them now, and checks that the folder is
-    writable. Returns the function that releases the lock."""
-    path = os.path.join(folder, 'lock')
+    that a killed run left, since no live run writes them now, keeps the files `set_aside` (an
+    earlier run's log, say) as NAME.1, NAME.2, ..., and checks that the folder is writable.
+    Returns the function that releases the lock."""
+    lock = os.path.join(folder, 'lock')
     me = {'pid': os.getpid(), 'host': socket.gethostname(),
           'started': datetime.datetime.now().isoformat(timespec='seconds')}
     try:
         os.makedirs(folder, exist_ok=True)
-        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
-        holder = _lock_holder(path)
+        holder = _lock_holder(lock)
         if not _dead_here(holder):
             raise ConfigError(f"{flag} {folder} is in use by another run (pid {holder.get('pid', '?')} on "
                               f"{holder.get('host', '?')}, since {holder.get('started', '?')}); wait for it, stop "
-                              f"it or pass another {flag} (if no run uses it, delete {path})") from None
-        print(f"{path}: taking over the lock of pid {holder['pid']}, which is no longer running", flush=True)
-        os.remove(path)
-        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                              f"it or pass another {flag} (if no run uses it, delete {lock})") from None
+        print(f"{lock}: taking over the lock of pid {holder['pid']}, which is no longer running", flush=True)
+        os.remove(lock)
+        descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except OSError as error:
         raise ConfigError(f'{flag} {folder}: cannot write there ({error.strerror or error})') from None
     with os.fdopen(descriptor, 'w') as f, contextlib.suppress(OSError):  # a full disk: an empty lock still locks
         f.write(json.dumps(me))
 
     def release():
-        if _lock_holder(path).get('pid') in (me['pid'], None):
+        if _lock_holder(lock).get('pid') in (me['pid'], None):
             with contextlib.suppress(OSError):
-                os.remove(path)
+                os.remove(lock)
     try:
         for pattern in leftovers:
             for tmp in glob.glob(os.path.join(glob.escape(folder), pattern)):
                 os.remove(tmp)
                 print(f'removed {tmp}, left by a write that did not finish (the file it was to replace is whole)',
                       flush=True)
+        for name in set_aside:
+            old = os.path.join(folder, name)
+            if os.path.exists(old):
+                number = next(n for n in range(1, 10 ** 6) if not os.path.exists(f'{old}.{n}'))
+                os.replace(old, f'{old}.{number}')
+                print(f'{old} of an earlier run kept as {old}.{number}', flush=True)
         check_writable(folder, flag)
     except BaseException:
         release()

@@ -70,6 +70,14 @@ def make_schedule(num_steps: int = 1000, kind: str = 'linear') -> Schedule:
     return Schedule(**{name: torch.from_numpy(value) for name, value in tables.items()})
 
 
+def schedule_kind(sched: Schedule) -> str:
+    """Which of make_betas' schedules `sched` is, 'linear' or 'cosine' (ValueError for another)."""
+    for kind in ('linear', 'cosine'):
+        if torch.allclose(sched.betas.cpu(), torch.from_numpy(make_betas(sched.num_steps, kind)), rtol=1e-12):
+            return kind
+    raise ValueError('neither the linear nor the cosine beta schedule')
+
+
 def _gather(table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """table[t] as a (B, 1, 1, 1) tensor in like's dtype, on like's device."""
     return table.to(like.device)[t].to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))

@@ -453,11 +453,30 @@ _RESBLOCK_NAMES = {'norm1': 'norm1', 'conv1': 'conv1', 'temb_proj': 'time_emb_pr
 _OLD_ATTENTION_NAMES = {'query': 'to_q', 'key': 'to_k', 'value': 'to_v', 'proj_attn': 'to_out.0'}
 
 
+def _weight_pairs(model: UNet) -> tuple:
+    """(pairs, attention) for mapping weights between our UNet and UNet2DModel: (our key, their
+    key) of every tensor that maps one to one, and (our module, theirs, channels) of each
+    attention block, whose q, k and v projections ours fuses into one 1x1 conv."""
+    pairs, attention = [], []
+    for our_name, their_name in diffusers_module_names(model):
+        module = model.get_submodule(our_name)
+        if isinstance(module, ResBlock):
+            parts = [(f'{our_name}.{a}', f'{their_name}.{b}') for a, b in _RESBLOCK_NAMES.items()
+                     if not isinstance(getattr(module, a), nn.Identity)]
+        elif isinstance(module, AttnBlock):
+            attention.append((our_name, their_name, module.proj.weight.shape[0]))
+            parts = [(f'{our_name}.norm', f'{their_name}.group_norm')]
+        else:
+            parts = [(our_name, their_name)]
+        pairs += [(f'{a}.{p}', f'{b}.{p}') for a, b in parts for p in ('weight', 'bias')]
+    return pairs, attention
+
+
 def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
     """A UNet2DModel state dict as our UNet's state dict (same function, our layout: the
     three attention projections fused into one 1x1 conv)."""
     theirs = {_new_attention_name(k): v for k, v in theirs.items()}
-    used, ours = set(), {}
+    used = set()
 
     def take(key):
         if key not in theirs:
@@ -465,27 +484,67 @@ def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
         used.add(key)
         return theirs[key]
 
-    for our_name, their_name in diffusers_module_names(model):
-        module = model.get_submodule(our_name)
-        if isinstance(module, ResBlock):
-            parts = [(f'{our_name}.{a}', f'{their_name}.{b}') for a, b in _RESBLOCK_NAMES.items()
-                     if not isinstance(getattr(module, a), nn.Identity)]
-        elif isinstance(module, AttnBlock):
-            for p in ('weight', 'bias'):
-                qkv = torch.cat([take(f'{their_name}.to_{x}.{p}') for x in 'qkv'])
-                ours[f'{our_name}.qkv.{p}'] = qkv.reshape(module.qkv.weight.shape if p == 'weight' else -1)
-                proj = take(f'{their_name}.to_out.0.{p}')
-                ours[f'{our_name}.proj.{p}'] = proj.reshape(module.proj.weight.shape if p == 'weight' else -1)
-            parts = [(f'{our_name}.norm', f'{their_name}.group_norm')]
-        else:
-            parts = [(our_name, their_name)]
-        for a, b in parts:
-            for p in ('weight', 'bias'):
-                ours[f'{a}.{p}'] = take(f'{b}.{p}')
+    pairs, attention = _weight_pairs(model)
+    ours = {a: take(b) for a, b in pairs}
+    for our_name, their_name, channels in attention:
+        for p, shape in (('weight', (channels, channels, 1, 1)), ('bias', (channels,))):
+            ours[f'{our_name}.qkv.{p}'] = torch.cat([take(f'{their_name}.to_{x}.{p}') for x in 'qkv']).reshape(
+                (3 * channels, *shape[1:]))
+            ours[f'{our_name}.proj.{p}'] = take(f'{their_name}.to_out.0.{p}').reshape(shape)
     unused = sorted(set(theirs) - used)
     if unused:
         raise KeyError(f'the diffusers weights hold tensors our network has no place for: {", ".join(unused[:5])}')
     return ours
+
+
+def state_dict_to_diffusers(model: UNet) -> dict:
+    """Our UNet's weights under UNet2DModel's names and shapes: the inverse of
+    state_dict_from_diffusers (the fused q, k, v conv split into three linear layers)."""
+    ours = model.state_dict()
+    pairs, attention = _weight_pairs(model)
+    theirs = {b: ours[a] for a, b in pairs}
+    for our_name, their_name, channels in attention:
+        for p, shape in (('weight', (channels, channels)), ('bias', (channels,))):
+            for x, part in zip('qkv', ours[f'{our_name}.qkv.{p}'].chunk(3)):
+                theirs[f'{their_name}.to_{x}.{p}'] = part.reshape(shape)
+            theirs[f'{their_name}.to_out.0.{p}'] = ours[f'{our_name}.proj.{p}'].reshape(shape)
+    return {k: v.detach().cpu().contiguous().clone() for k, v in theirs.items()}
+
+
+def _new_attention_name(key: str) -> str:
+    parts = key.split('.')
+    if 'attentions' in parts and len(parts) >= 2 and parts[-2] in _OLD_ATTENTION_NAMES:
+        return '.'.join(parts[:-2] + [_OLD_ATTENTION_NAMES[parts[-2]], parts[-1]])
+    return key
+
+
+DIFFUSERS_VERSION = '0.42.1'  # the diffusers whose DDPMPipeline.from_pretrained the export is tested with
+
+
+def save_diffusers(model: UNet, schedule: str, num_steps: int, folder: str):
+    """A diffusers DDPMPipeline folder that DDPMPipeline.from_pretrained loads: model_index.json,
+    unet/ (config.json and diffusion_pytorch_model.safetensors) and scheduler/ (a DDPMScheduler of
+    this schedule: 'linear' 1e-4..0.02 or 'cosine', T steps, fixed-large variance, clipped x_0,
+    as the paper's sampler). Written beside `folder` and renamed: a folder appears whole. Raises
+    ValueError when diffusers cannot represent the configuration."""
+    from safetensors.torch import save_file
+    unet = {'_class_name': 'UNet2DModel', '_diffusers_version': DIFFUSERS_VERSION, **diffusers_config(model.config)}
+    betas = {'linear': {'beta_schedule': 'linear', 'beta_start': 1e-4, 'beta_end': 0.02},
+             'cosine': {'beta_schedule': 'squaredcos_cap_v2'}}[schedule]
+    scheduler = {'_class_name': 'DDPMScheduler', '_diffusers_version': DIFFUSERS_VERSION,
+                 'num_train_timesteps': num_steps, **betas, 'trained_betas': None, 'variance_type': 'fixed_large',
+                 'clip_sample': True, 'clip_sample_range': 1.0, 'prediction_type': 'epsilon', 'thresholding': False}
+    index = {'_class_name': 'DDPMPipeline', '_diffusers_version': DIFFUSERS_VERSION,
+             'scheduler': ['diffusers', 'DDPMScheduler'], 'unet': ['diffusers', 'UNet2DModel']}
+    tmp = f'{folder.rstrip(os.sep)}.tmp-{os.getpid()}'
+    os.makedirs(os.path.join(tmp, 'unet'))
+    os.makedirs(os.path.join(tmp, 'scheduler'))
+    for path, content in ((('model_index.json',), index), (('unet', 'config.json'), unet),
+                          (('scheduler', 'scheduler_config.json'), scheduler)):
+        with open(os.path.join(tmp, *path), 'w') as f:
+            json.dump(content, f, indent=2)
+    save_file(state_dict_to_diffusers(model), os.path.join(tmp, 'unet', 'diffusion_pytorch_model.safetensors'))
+    os.replace(tmp, folder)
 
 
 def _new_attention_name(key: str) -> str:
@@ -677,9 +736,7 @@ def model_from_checkpoint(ckpt: dict, weights: str, what: str) -> UNet:
 def check_resumable(ckpt: dict, what: str, config: dict, model_config: UNetConfig, world_size: int):
     """An exact resume needs the same architecture, the same RESUME_MUST_MATCH settings and the
     same number of ranks (one RNG state each). Checked before any data is loaded."""
-    theirs = ckpt['model_config'] if isinstance(ckpt['model_config'], dict) else {}
-    diffs = [f'{k}={theirs.get(k)!r} (now {v!r})' for k, v in asdict(model_config).items()
-             if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]  # these hold no weights
+    diffs = architecture_differences(ckpt['model_config'], model_config)
     if diffs:
         raise ConfigError(f'{what}: the checkpoint is another architecture: {", ".join(diffs)}')
     try:
@@ -704,6 +761,34 @@ def check_same_data(ckpt: dict, what: str, data_identity: dict, data_dir: str):
         raise ConfigError(f"{what}: the checkpoint was trained on another data set ({saved['count']} images, "
                           f"fingerprint {saved['fingerprint'][:12]}); {data_dir} has {data_identity['count']} "
                           f"images, fingerprint {data_identity['fingerprint'][:12]}")
+
+
+def architecture_differences(theirs, config: UNetConfig) -> list:
+    """'field=theirs (now ours)' for every field of the network in which a saved model_config
+    (a dict) differs from `config`; attention and dropout hold no weights and may differ."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    return [f'{k}={theirs.get(k)!r} (now {v!r})' for k, v in asdict(config).items()
+            if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]
+
+
+def initial_weights(path: str, config: UNetConfig) -> dict:
+    """The state dict that train.py --init-from starts from: a checkpoint of ours (its EMA weights)
+    or a diffusers UNet2DModel / pipeline folder, refused with one line unless it is the network
+    of `config`."""
+    what = f'--init-from {path}'
+    if os.path.isdir(path):
+        try:
+            model = load_diffusers(path)
+        except (DiffusersConfigError, OSError, KeyError, ValueError, RuntimeError) as error:
+            raise ConfigError(f"{what}: cannot load it as the paper's UNet ({brief(error, 300)})") from None
+        theirs = asdict(model.config)
+    else:
+        ckpt = read_checkpoint(path, what)
+        model, theirs = model_from_checkpoint(ckpt, 'ema', what), ckpt['model_config']
+    diffs = architecture_differences(theirs, config)
+    if diffs:
+        raise ConfigError(f'{what}: another architecture than --preset and --image-size give: {", ".join(diffs)}')
+    return model.state_dict()
 
 
 def _plain(value):

@@ -4,6 +4,7 @@
     python sample.py --ckpt runs/ckpt.pt --num 64 --grid                 # one grid PNG
     python sample.py --ckpt runs/ckpt.pt --num 50000 --fid                # FID vs CIFAR-10 train
     python sample.py --ckpt runs/ckpt.pt --bpd --bpd-num 10000            # bits/dim on CIFAR-10 test
+    python sample.py --ckpt runs/ckpt.pt --export-diffusers runs/pipeline # a diffusers DDPMPipeline folder
 
 Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast and
 torch.compile on CUDA. Images go to disk batch by batch as they are drawn; SIGTERM or Ctrl-C
@@ -34,9 +35,10 @@ from tqdm import tqdm
 import data
 import diffusion
 from cli import (ConfigError, StopFlag, atomic_open, atomic_path, autocast, brief, check_ranges, check_writable,
-                 claim_folder, flag, gather_to_rank0, parse_config, pick_device, pyplot, run_main, save_figure)
+                 claim_folder, flag, gather_to_rank0, own_rng, parse_config, pick_device, pyplot, run_main,
+                 save_figure)
 from model import (DiffusersConfigError, UNetConfig, count_flops, diffusers_folder, load_diffusers,
-                   model_from_checkpoint, read_checkpoint)
+                   model_from_checkpoint, read_checkpoint, save_diffusers)
 
 
 @dataclass
@@ -74,6 +76,8 @@ class SampleConfig:
     bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes, folder or beton',
                          choices=('cifar10', 'shapes', 'folder', 'beton'))
     bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)', at_least=1)
+    export_diffusers: str = flag('', 'instead of sampling, write the checkpoint\'s --weights as a diffusers '
+                                     'DDPMPipeline folder here (DDPMPipeline.from_pretrained loads it)')
     bpd_timesteps: int = flag(0, 'bits/dim: 0 for the full bound (T model calls per image), K for its unbiased '
                                  'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
 
@@ -482,6 +486,26 @@ def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device
     return torch.cat(losses).cpu()
 
 
+def weights_problem(run, heldout, row: dict):
+    """Why train.py must not save the weights of `run` (a train.Run; None: it may): a non-finite
+    weight of the model or the EMA, or a non-finite held-out loss of either (from this step's log
+    row, or after a stop, which skips it, from one batch of the held-out set)."""
+    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
+        if module is not None and not torch.stack([p.isfinite().all() for p in module.parameters()]).all():
+            return f'non-finite {name}'
+    if heldout is None:
+        return None
+    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
+        loss = row.get(key)
+        if loss is None:
+            with own_rng(run.device):
+                few = tuple(x[:run.cfg.batch_size] for x in heldout)
+                loss = heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
+        if not math.isfinite(loss):
+            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
+    return None
+
+
 class Evaluator:
     """FID of EMA samples and a Monte Carlo estimate of the EMA's bits/dim on held-out images,
     for train.py --eval-every. Every rank takes a share (batches of samples, held-out images),
@@ -623,6 +647,12 @@ def validate(cfg: SampleConfig, sched: diffusion.Schedule):
         raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
         raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    if cfg.export_diffusers:
+        if os.path.exists(cfg.export_diffusers) and (not os.path.isdir(cfg.export_diffusers)
+                                                     or os.listdir(cfg.export_diffusers)):
+            raise ConfigError(f'--export-diffusers {cfg.export_diffusers}: exists and is not an empty folder')
+        check_writable(os.path.dirname(os.path.abspath(cfg.export_diffusers)), '--export-diffusers')
+        return
     if cfg.grid and cfg.num > GRID_LIMIT:
         raise ConfigError(f'--grid draws at most {GRID_LIMIT} images into one PNG, got --num {cfg.num}')
     if not cfg.bpd or cfg.fid:  # images will be written
@@ -634,6 +664,8 @@ def main(cfg: SampleConfig) -> dict:
     device = pick_device(cfg.device, 0)
     model, config, sched = load_model(cfg.ckpt, cfg.weights, device)
     validate(cfg, sched)
+    if cfg.export_diffusers:
+        return export_diffusers(model, sched, cfg)
     if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
         model = torch.compile(model)
     result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
@@ -677,6 +709,17 @@ def main(cfg: SampleConfig) -> dict:
         result['fid'] = frechet_distance(fake, reference)
         print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
     return result
+
+
+def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig) -> dict:
+    try:
+        save_diffusers(model.cpu().float(), diffusion.schedule_kind(sched), sched.num_steps, cfg.export_diffusers)
+    except ValueError as error:
+        raise ConfigError(f'--export-diffusers: diffusers cannot represent this network or schedule '
+                          f'({error})') from None
+    print(f'wrote {cfg.export_diffusers}: a diffusers DDPMPipeline of the {cfg.weights} weights of {cfg.ckpt} '
+          f'({diffusion.schedule_kind(sched)} schedule, T={sched.num_steps})')
+    return {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'export': cfg.export_diffusers}
 
 
 def cli(argv=None) -> int:

@@ -14,6 +14,7 @@ calls, the metrics writer) is below the line marked "bookkeeping".
 import contextlib
 import copy
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -33,8 +34,8 @@ from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief
                  check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group, on_all_ranks,
                  own_rng, parse_config, pick_device, ranks_identical, run_main, setup_distributed, synchronize)
 from model import (MODEL_VERSION, PRESETS, UNet, already_done, check_resumable, check_same_data, count_flops,
-                   count_params, get_config, peak_tflops, precision_of, resume_settings, save_checkpoint,
-                   warn_of_changes)
+                   count_params, get_config, initial_weights, peak_tflops, precision_of, resume_settings,
+                   save_checkpoint, warn_of_changes)
 
 NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
@@ -93,6 +94,10 @@ class TrainConfig:
     samples_dir: str = flag('ddpm_samples', 'where the sample grids go')
     resume: str = flag('', 'checkpoint to resume from (must exist and match the architecture and data), or auto: '
                            'OUT_DIR/ckpt.pt when it exists, else a fresh run (for preemptible jobs)')
+    init_from: str = flag('', 'a fresh run starts from these weights: a checkpoint of ours (its EMA) or a diffusers '
+                              'UNet2DModel or pipeline folder of this --preset; optimizer, step and lr start anew')
+    tensorboard: bool = flag(False, 'also log every metric and sample grid to OUT_DIR/tb/ (step: images seen); '
+                                    'needs pip install tensorboard')
     seed: int = flag(0, 'seed of initialisation, data order, timesteps and noise', at_least=0, at_most=2 ** 32 - 1)
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
 
@@ -153,9 +158,10 @@ def model_config_of(cfg: TrainConfig):
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
-              stop=None, control_group=None, flags=None) -> Run:
+              stop=None, control_group=None, flags=None, init: dict = None) -> Run:
     """Model, EMA, optimizer, schedule and loader for a resolved config (see resolve_defaults).
-    make_model(config) builds another network in place of ours (the benchmark's peer row)."""
+    make_model(config) builds another network in place of ours (the benchmark's peer row); `init`
+    is a state dict that the model and the EMA start from (--init-from)."""
     torch.manual_seed(cfg.seed)
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
@@ -166,6 +172,8 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     loader = data.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
                               cfg.num_workers, rank, world_size, progress=progress)
     model = (make_model or UNet)(model_config_of(cfg)).to(device)
+    if init is not None:
+        model.load_state_dict(init)
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ema = copy.deepcopy(model).eval().requires_grad_(False) if rank == 0 else None
@@ -286,7 +294,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
                 break
             # Sample grid at the end of every --sample-every'th epoch.
             if step % per_epoch == 0 and cfg.sample_every and (step // per_epoch) % cfg.sample_every == 0:
-                grid(run, log, os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'))
+                grid(run, log, os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'), step)
     finally:
         log.bar.close()
     return finish(run, step, stopped, log, ckpt_path, time.perf_counter() - start)
@@ -307,6 +315,7 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
         warn_of_changes(ckpt, cfg)
         if done := already_done(ckpt, cfg):
             return done
+    init = initial_weights(cfg.init_from, model_config_of(cfg)) if cfg.init_from and ckpt is None else None
     release_lock = claim_outputs(cfg, rank, fresh=ckpt is None)
     stop = StopFlag()
     restore_signals = stop.install()
@@ -316,7 +325,7 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
         # nothing was trained. Under DDP the ranks first meet in the loop, where they agree on stops.
         with stop.interruptible() if world_size == 1 else contextlib.nullcontext():
             run = build_run(cfg, device, rank, world_size, progress=rank == 0, stop=stop,
-                            control_group=control_group, flags=flags)
+                            control_group=control_group, flags=flags, init=init)
             if ckpt is not None:
                 check_same_data(ckpt, f'--resume {cfg.resume}', run.data_identity, cfg.data_dir)
             step = restore(run, ckpt) if ckpt else 0
@@ -370,6 +379,10 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
         raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
         raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    if cfg.init_from and not os.path.exists(cfg.init_from):
+        raise ConfigError(f'--init-from {cfg.init_from}: no such checkpoint or folder')
+    if cfg.tensorboard and importlib.util.find_spec('tensorboard') is None:
+        raise ConfigError('--tensorboard needs the tensorboard package: pip install tensorboard')
     ffcv_missing = data.ffcv_missing_reason() if cfg.dataset == 'beton' else None  # importing ffcv costs seconds
     if ffcv_missing:
         raise ConfigError(f'--loader ffcv / --dataset beton: {ffcv_missing}')
@@ -390,13 +403,8 @@ def claim_outputs(cfg: TrainConfig, rank: int, fresh: bool):
     if rank != 0:
         check_writable(cfg.out_dir, '--out-dir')
         return lambda: None
-    release = claim_folder(cfg.out_dir, '--out-dir', ('ckpt.pt.tmp', 'curves.png.tmp'))
-    metrics = os.path.join(cfg.out_dir, 'metrics.jsonl')
-    if fresh and os.path.exists(metrics):
-        number = next(n for n in range(1, 10 ** 6) if not os.path.exists(f'{metrics}.{n}'))
-        os.replace(metrics, f'{metrics}.{number}')
-        print(f'{metrics} of an earlier run without a checkpoint kept as {metrics}.{number}', flush=True)
-    return release
+    return claim_folder(cfg.out_dir, '--out-dir', ('ckpt.pt.tmp', 'curves.png.tmp'),
+                        ('metrics.jsonl',) if fresh else ())
 
 
 # ----------------------------------------------------------------------------- what the loop calls
@@ -458,7 +466,7 @@ def save(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dic
     """The checkpoint of this step, once proven good; a broken model stops the run instead, and
     the last good checkpoint stays (every rank agrees)."""
     with log.paused():
-        problem = weights_problem(run, heldout, row)
+        problem = sample.weights_problem(run, heldout, row)
         if any_rank(problem is not None, run.control_group):
             raise NonFiniteLoss(f"at step {step}: {problem or 'a problem on another rank'}; stopping without a "
                                 f"checkpoint. " + (f'The last good checkpoint is {last_good}.' if last_good
@@ -468,27 +476,7 @@ def save(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dic
             save_checkpoint(state, path)
 
 
-def weights_problem(run: Run, heldout, row: dict):
-    """Why the weights must not be saved (None: they may): a non-finite weight of the model or
-    the EMA, or a non-finite held-out loss of either (from this step's log row, or after a stop,
-    which skips it, from one batch of the held-out set)."""
-    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
-        if module is not None and not torch.stack([p.isfinite().all() for p in module.parameters()]).all():
-            return f'non-finite {name}'
-    if heldout is None:
-        return None
-    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
-        loss = row.get(key)
-        if loss is None:
-            with own_rng(run.device):
-                few = tuple(x[:run.cfg.batch_size] for x in heldout)
-                loss = sample.heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
-        if not math.isfinite(loss):
-            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
-    return None
-
-
-def grid(run: Run, log, path: str):
+def grid(run: Run, log, path: str, step: int):
     """A grid of EMA samples (rank 0); a failure to write it is a warning and training goes on."""
     if run.ema is None:
         return
@@ -497,6 +485,10 @@ def grid(run: Run, log, path: str):
             with run.stop.interruptible(), own_rng(run.device):
                 sample.write_grid(run.ema, run.sched, run.cfg, run.device, path)
             log.grids.append(path)
+            if log.tensorboard is not None:
+                from torchvision.io import read_image
+                log.tensorboard.add_image('samples', read_image(path), step * run.cfg.batch_size)
+                log.tensorboard.flush()
         except StopRequested:
             log.print(f'{path}: left out, a stop was requested')
         except OSError as error:
@@ -520,7 +512,7 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
     per_epoch = run.loader.batches_per_epoch
     if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
         name = f'epoch_{step // per_epoch:04d}.png' if step % per_epoch == 0 else f'step_{step:07d}.png'
-        grid(run, log, os.path.join(cfg.samples_dir, name))
+        grid(run, log, os.path.join(cfg.samples_dir, name), step)
     if cfg.eval_every:
         log.draw_curves(force=True)
     last, samples, nan = log.last, f', samples in {cfg.samples_dir}/' if log.grids else '', float('nan')
@@ -571,6 +563,10 @@ class Metrics:
         self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
         self.interval_start, self.paused_s, self.train_seconds = time.perf_counter(), 0.0, train_seconds
         self.last, self.grids, self.curves_drawn = {}, [], 0.0
+        self.tensorboard = None
+        if self.active and cfg.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, 'tb'))
         if self.active:
             self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
                         'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
@@ -588,6 +584,11 @@ class Metrics:
         if self.active:
             with open(self.path, 'a') as f:
                 f.write(json.dumps(row) + '\n')
+        if self.tensorboard is not None and 'kind' in row:  # every number of the row, at its image count
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != 'images_seen':
+                    self.tensorboard.add_scalar(f"{row['kind']}/{key}", value, row['images_seen'])
+            self.tensorboard.flush()
         if row.get('kind') == 'train':
             self.last = row
 
