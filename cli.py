@@ -6,7 +6,7 @@
   bad input, 1 for a failed write such as a full disk, 130 for Ctrl-C, an error's own
   `exit_code` otherwise).
 - Files are written whole or not at all: `atomic_open` / `atomic_path`; one run per output
-  folder: `claim_folder`.
+  folder: `claim_folder`; a JSON-lines log, mirrored to TensorBoard on request: `JsonLines`.
 - A stop that lets the work finish its step: `StopFlag` (SIGTERM, Ctrl-C).
 - The device: `pick_device`, `synchronize`, `autocast`; plots without a display: `pyplot`, `save_figure`.
 - Ranks under torchrun: `setup_distributed`, `init_process_group` and the small collectives the
@@ -131,7 +131,8 @@ def given_fields(argv, config_class) -> set:
 def run_main(main, *args) -> int:
     """main(*args) as a script runs it: 0 when it returns; our errors (ConfigError, data.DataError,
     anything with an `exit_code`) as one 'error:' line and their code; a failed write (OSError:
-    a full disk, an unwritable file) as one line and 1; a Ctrl-C that got through as 130."""
+    a full disk, an unwritable file) or memory running out as one line and 1; a Ctrl-C that got
+    through as 130."""
     try:
         main(*args)
     except KeyboardInterrupt:
@@ -139,6 +140,9 @@ def run_main(main, *args) -> int:
         return 130
     except OSError as error:
         print(f'error: {brief(error, 300)}', file=sys.stderr)
+        return 1
+    except MemoryError as error:  # a count far beyond the machine (--num, --shapes-count, ...)
+        print(f'error: out of memory ({brief(error, 200)}): ask for less', file=sys.stderr)
         return 1
     except Exception as error:
         code = getattr(error, 'exit_code', None)
@@ -253,6 +257,9 @@ def claim_folder(folder: str, flag: str, leftovers: tuple = (), set_aside: tuple
           'started': datetime.datetime.now().isoformat(timespec='seconds')}
     try:
         os.makedirs(folder, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f'{flag} {folder}: cannot write there ({error.strerror or error})') from None
+    try:
         descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
     except FileExistsError:
         holder = _lock_holder(lock)
@@ -301,9 +308,12 @@ def _lock_holder(path: str) -> dict:
 
 
 def _dead_here(holder: dict) -> bool:
-    """Whether the lock's process is known to be gone: it ran on this host and no longer runs."""
+    """Whether the lock's process is known to be gone: it ran on this host and no longer runs (or
+    its pid is this process's, which holds no lock yet)."""
     if holder.get('host') != socket.gethostname() or not isinstance(holder.get('pid'), int):
         return False
+    if holder['pid'] == os.getpid():  # a lock left by a killed process whose pid this one got again
+        return True
     try:
         os.kill(holder['pid'], 0)
     except ProcessLookupError:
@@ -322,6 +332,33 @@ def disk_full_error(path: str, error: Exception) -> OSError:
     room = f'{free / 1e9:.2f} GB free there' if free is not None else 'free space unknown'
     code = errno.ENOSPC if free is not None and free < 1e8 else errno.EIO
     return OSError(code, f'writing {path} failed ({brief(error, 200)}); {room}')
+
+
+class JsonLines:
+    """A log of one JSON object per line, appended to `path`; with `tensorboard_dir`, every number
+    of a row that has a 'kind' and 'images_seen' also goes to TensorBoard as KIND/NAME, at the
+    row's image count (so that runs of different batch sizes line up), and `image` adds a PNG."""
+
+    def __init__(self, path: str, tensorboard_dir: str = None):
+        self.path, self.tensorboard = path, None
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tensorboard = SummaryWriter(tensorboard_dir)
+
+    def write(self, row: dict):
+        with open(self.path, 'a') as f:
+            f.write(json.dumps(row) + '\n')
+        if self.tensorboard is not None and 'kind' in row and 'images_seen' in row:
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != 'images_seen':
+                    self.tensorboard.add_scalar(f"{row['kind']}/{key}", value, row['images_seen'])
+            self.tensorboard.flush()
+
+    def image(self, tag: str, png_path: str, images_seen: int):
+        if self.tensorboard is not None:
+            from torchvision.io import read_image
+            self.tensorboard.add_image(tag, read_image(png_path), images_seen)
+            self.tensorboard.flush()
 
 
 def check_writable(folder: str, flag: str):

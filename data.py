@@ -544,6 +544,8 @@ def write_beton_main(cfg: BetonConfig):
     check_ranges(cfg)
     if not cfg.write_beton:
         raise ConfigError('nothing to do: pass --write-beton OUT.beton')
+    if os.path.isdir(cfg.write_beton):
+        raise ConfigError(f'--write-beton {cfg.write_beton}: a folder; pass the path of the .beton file to write')
     check_writable(os.path.dirname(os.path.abspath(cfg.write_beton)), '--write-beton')
     dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
     write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)

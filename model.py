@@ -611,6 +611,7 @@ def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
 # (image count and fingerprint), 'train_seconds' and 'eval_owed'. train.checkpoint_state
 # writes it, train.restore reads it back.
 CHECKPOINT_REQUIRED = ('model', 'ema', 'config', 'model_config')
+RESUME_REQUIRED = ('optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng')  # and an exact resume these
 # The resume rule. A resumed run replays the settings given to the run (its 'flags'), with those
 # given at the resume on top, except where it resumes from and where its files go (by default
 # the checkpoint's folder). Given with another value: refused (an exact resume needs them), or
@@ -632,9 +633,11 @@ def resume_path(resume: str, out_dir: str) -> str:
     if not resume and os.path.isfile(ckpt_path):
         raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
                           f'or pass another --out-dir')
+    if resume and os.path.isfile(resume) and not zipfile.is_zipfile(resume):
+        raise ConfigError(f'--resume {resume}: not a train.py checkpoint (not a file written by torch.save)')
     if resume and os.path.isfile(resume) and os.path.isfile(ckpt_path) and not os.path.samefile(resume, ckpt_path):
-        raise ConfigError(f'--resume {resume} into --out-dir {out_dir}, which holds another run\'s '
-                          f'checkpoint: pass an empty --out-dir, or resume that run')
+        raise ConfigError(f'--resume {resume} into --out-dir {out_dir}, which holds {ckpt_path} (another run\'s, '
+                          f'or a later one of this run) that the resumed run would overwrite: pass another --out-dir')
     return resume
 
 
@@ -653,6 +656,12 @@ def resume_settings(cfg, given: set) -> tuple:
     saved = ckpt.get('flags')
     if saved is None:  # a checkpoint from before flags were saved: its settings, less those resolved per device
         saved = {k: v for k, v in ckpt['config'].items() if k not in NOT_REPLAYED + RESOLVED_PER_DEVICE}
+    saved = dict(saved)
+    if 'epochs' in given and 'steps' not in given:
+        saved.pop('steps', None)  # --epochs given now sets the length; a replayed --steps would win over it
+    moved = os.path.realpath(str(ckpt['config'].get('out_dir'))) != os.path.realpath(cfg.out_dir)
+    if moved and 'samples_dir' not in given:  # a copy resumed elsewhere keeps its grids in its own folder
+        saved['samples_dir'] = os.path.join(cfg.out_dir, 'samples')
     flags = {k: v for k, v in {**saved, **now}.items() if k in {f.name for f in fields(cfg)}}
     return type(cfg)(**flags, resume=cfg.resume, out_dir=cfg.out_dir), flags, ckpt
 
@@ -669,8 +678,10 @@ def warn_of_changes(ckpt: dict, cfg):
 
 def already_done(ckpt: dict, cfg) -> dict | None:
     """If the checkpoint holds the run's last step (--steps, or --epochs whole epochs), says so
-    and returns the result of a run with nothing left to do; else None."""
-    if (ckpt['step'] < cfg.steps) if cfg.steps else (ckpt['epoch'] < cfg.epochs):
+    and returns the result of a run with nothing left to do; else None (also when an evaluation
+    cut short by a stop is owed: the resumed run runs it)."""
+    if ((ckpt['step'] < cfg.steps) if cfg.steps else (ckpt['epoch'] < cfg.epochs)) or (
+            ckpt.get('eval_owed') and cfg.eval_every):
         return None
     target = f'--steps {cfg.steps}' if cfg.steps else f'--epochs {cfg.epochs}'
     past = ckpt['step'] > cfg.steps if cfg.steps else (ckpt['epoch'], ckpt['batch_in_epoch']) > (cfg.epochs, 0)
@@ -736,9 +747,16 @@ def model_from_checkpoint(ckpt: dict, weights: str, what: str) -> UNet:
 def check_resumable(ckpt: dict, what: str, config: dict, model_config: UNetConfig, world_size: int):
     """An exact resume needs the same architecture, the same RESUME_MUST_MATCH settings and the
     same number of ranks (one RNG state each). Checked before any data is loaded."""
+    missing = [key for key in RESUME_REQUIRED if key not in ckpt]
+    if missing:
+        raise ConfigError(f'{what}: not a complete train.py checkpoint (it lacks {", ".join(missing)})')
     diffs = architecture_differences(ckpt['model_config'], model_config)
     if diffs:
         raise ConfigError(f'{what}: the checkpoint is another architecture: {", ".join(diffs)}')
+    for weights in ('model', 'ema'):
+        if ckpt[weights] is not None and not all(t.isfinite().all() for t in ckpt[weights].values()):
+            raise ConfigError(f'{what}: its {weights} weights are not finite (NaN or inf): resume an earlier '
+                              f'checkpoint')
     try:
         saved, ranks = ckpt['config'], len(ckpt['rng'])
         differing = [name for name in RESUME_MUST_MATCH if saved[name] != config[name]]

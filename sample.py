@@ -196,9 +196,17 @@ SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 
 
 
 def sample_settings(cfg: SampleConfig) -> dict:
-    """What decides the images: the checkpoint (its path, size and time) and the sampling flags."""
-    stat = os.stat(cfg.ckpt)
-    return {'ckpt': os.path.realpath(cfg.ckpt), 'ckpt_bytes': stat.st_size, 'ckpt_mtime_ns': stat.st_mtime_ns,
+    """What decides the images: the checkpoint (its path and the sha256 of its bytes, or of a
+    diffusers folder's files) and the sampling flags."""
+    import hashlib
+    digest = hashlib.sha256()
+    files = [cfg.ckpt] if os.path.isfile(cfg.ckpt) else sorted(
+        os.path.join(folder, name) for folder, _, names in os.walk(cfg.ckpt) for name in names)
+    for path in files:
+        with open(path, 'rb') as f:
+            for block in iter(lambda: f.read(1 << 24), b''):
+                digest.update(block)
+    return {'ckpt': os.path.realpath(cfg.ckpt), 'ckpt_sha256': digest.hexdigest(),
             **{name: getattr(cfg, name) for name in SETTINGS}}
 
 
@@ -265,11 +273,13 @@ def written_batches(cfg: SampleConfig, size: int) -> typing.Iterator[torch.Tenso
 
 def continue_or_start(cfg: SampleConfig, size: int) -> list:
     """The batches still to draw in --out. A folder holding samples of other settings (its
-    samples.json) is refused; one of the same settings is continued where it stopped."""
+    samples.json, with samples) is refused; one of the same settings is continued where it stopped."""
     settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
     batches = range(math.ceil(cfg.num / cfg.batch_size))
-    todo = list(batches)
-    if os.path.isfile(path):
+    todo = batches
+    holds_samples = any(name.endswith(('.png', '.npz')) for name in os.listdir(cfg.out)) or os.path.isdir(
+        os.path.join(cfg.out, 'parts'))
+    if os.path.isfile(path) and holds_samples:
         try:
             with open(path) as f:
                 saved = json.load(f)
@@ -282,15 +292,14 @@ def continue_or_start(cfg: SampleConfig, size: int) -> list:
         # A batch's files are written in order, each whole: its last file is there once all are.
         todo = [] if cfg.format == 'npz' and os.path.isfile(npz_path(cfg, size)) else \
             [b for b in batches if not os.path.isfile(batch_paths(cfg, b)[-1])]
-    else:
-        with atomic_open(path) as f:
-            json.dump(settings, f, indent=1)
-    count = sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
+    count = cfg.num if todo is batches else sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
     need = count * size * size * 3 * 2 if cfg.format == 'npz' else count * max(size * size * 3, 4096)
     free = shutil.disk_usage(cfg.out).free
     if need > free:
         raise ConfigError(f'--num {cfg.num}: the samples need about {need / 1e9:.1f} GB and {cfg.out} has '
                           f'{free / 1e9:.1f} GB free: pass a smaller --num or another --out')
+    with atomic_open(path) as f:  # once every check has passed: a refused run leaves no settings behind
+        json.dump(settings, f, indent=1)
     return todo
 
 
@@ -355,6 +364,8 @@ def inception_extractor(weights_path: str, device) -> typing.Callable:
         network = FeatureExtractorInceptionV3('inception-v3-compat', ['2048'],
                                               feature_extractor_weights_path=weights_path or None)
     except Exception as error:
+        if weights_path:
+            raise ConfigError(f'--inception-weights {weights_path}: cannot load it ({brief(error)})') from None
         raise ConfigError(
             f'FID needs the InceptionV3 weights, and downloading them failed ({brief(error)}). '
             f'Offline, fetch {URL_INCEPTION_V3} on a machine with network and pass --inception-weights PATH') from None

@@ -15,9 +15,9 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
-import json
 import math
 import os
+import shlex
 import sys
 import time
 import typing
@@ -30,9 +30,10 @@ from tqdm import tqdm
 import data
 import diffusion
 import sample
-from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields, check_ranges,
-                 check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group, on_all_ranks,
-                 own_rng, parse_config, pick_device, ranks_identical, run_main, setup_distributed, synchronize)
+from cli import (ConfigError, JsonLines, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields,
+                 check_ranges, check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group,
+                 on_all_ranks, own_rng, parse_config, pick_device, ranks_identical, run_main, setup_distributed,
+                 synchronize)
 from model import (MODEL_VERSION, PRESETS, UNet, already_done, check_resumable, check_same_data, count_flops,
                    count_params, get_config, initial_weights, peak_tflops, precision_of, resume_settings,
                    save_checkpoint, warn_of_changes)
@@ -77,7 +78,7 @@ class TrainConfig:
                         choices=('ddim', 'dpm++', 'ddpm'))
     sample_steps: int = flag(50, 'model calls per image of ddim and dpm++ (ddpm always takes all T)',
                              at_least=1, at_most=NUM_TIMESTEPS)
-    num_samples: int = flag(64, 'images per sample grid', at_least=1)
+    num_samples: int = flag(64, 'images per sample grid', at_least=1, at_most=sample.GRID_LIMIT)
     eval_every: int = flag(0, 'training images between evaluations (0: none): FID of EMA samples and bits/dim of '
                               'the EMA on held-out images, as metrics.jsonl rows, and OUT_DIR/curves.png', at_least=0)
     eval_fid: bool = flag(True, 'FID in the evaluations (Inception weights: downloaded on first use, or '
@@ -208,11 +209,14 @@ def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds
 
 def restore(run: Run, ckpt: dict) -> int:
     """Loads a checkpoint into the run; returns the step to continue from."""
-    run.model.load_state_dict(ckpt['model'])
-    if run.ema is not None:
-        run.ema.load_state_dict(ckpt['ema'])
-    run.optimizer.load_state_dict(ckpt['optimizer'])
-    run.scaler.load_state_dict(ckpt['scaler'])
+    try:
+        run.model.load_state_dict(ckpt['model'])
+        if run.ema is not None:
+            run.ema.load_state_dict(ckpt['ema'])
+        run.optimizer.load_state_dict(ckpt['optimizer'])
+        run.scaler.load_state_dict(ckpt['scaler'])
+    except (KeyError, ValueError, RuntimeError, TypeError) as error:
+        raise ConfigError(f'--resume {run.cfg.resume}: its states do not fit this run ({brief(error)})') from None
     rng = ckpt['rng'][run.rank]
     torch.set_rng_state(rng['cpu'])
     if run.device.type == 'cuda' and rng.get('cuda') is not None:
@@ -267,6 +271,9 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
         eval_owed = not evaluate(run, evaluator, log, step)
+        if step >= total_steps:  # resumed at the target only for it
+            save(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
+            return finish(run, step, run.stop.reason if eval_owed else None, log, ckpt_path, 0.0)
     try:
         for x0 in batches(run, step):
             # Step.
@@ -286,6 +293,8 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
             # Evaluate: FID and bits/dim of the EMA, every --eval-every training images.
             if eval_owed and not stopped:
                 eval_owed = not evaluate(run, evaluator, log, step)
+                if eval_owed:  # cut short by a stop: save now
+                    stopped = must_save = run.stop.reason
             # Checkpoint, once proven good (finite weights and held-out losses), before the grid.
             if must_save:
                 save(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
@@ -306,21 +315,21 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
     """A run of cfg. `given`: the fields set on the command line (default: those that differ
     from their defaults); a resumed run replays its checkpoint's flags with these on top."""
     rank, local_rank, world_size = setup_distributed()
-    cfg, flags, ckpt = resume_settings(cfg, changed_fields(cfg) if given is None else given)
-    device = pick_device(cfg.device, local_rank)
-    cfg = resolve_defaults(cfg, device)
-    validate(cfg, device, world_size)
-    if ckpt is not None:
-        check_resumable(ckpt, f'--resume {cfg.resume}', asdict(cfg), model_config_of(cfg), world_size)
-        warn_of_changes(ckpt, cfg)
-        if done := already_done(ckpt, cfg):
-            return done
-    init = initial_weights(cfg.init_from, model_config_of(cfg)) if cfg.init_from and ckpt is None else None
-    release_lock = claim_outputs(cfg, rank, fresh=ckpt is None)
-    stop = StopFlag()
-    restore_signals = stop.install()
-    control_group = init_process_group(device, rank, world_size)
+    stop, release_lock = StopFlag(), lambda: None
+    restore_signals = stop.install()  # first thing: a stop during start-up ends the run cleanly too
     try:
+        cfg, flags, ckpt = resume_settings(cfg, changed_fields(cfg) if given is None else given)
+        device = pick_device(cfg.device, local_rank)
+        cfg = resolve_defaults(cfg, device)
+        validate(cfg, device, world_size)
+        if ckpt is not None:
+            check_resumable(ckpt, f'--resume {cfg.resume}', asdict(cfg), model_config_of(cfg), world_size)
+            warn_of_changes(ckpt, cfg)
+            if done := already_done(ckpt, cfg):
+                return done
+        init = initial_weights(cfg.init_from, model_config_of(cfg)) if cfg.init_from and ckpt is None else None
+        release_lock = claim_outputs(cfg, rank, fresh=ckpt is None)
+        control_group = init_process_group(device, rank, world_size)
         # A stop during start-up (data, model, reference statistics) ends one process at once:
         # nothing was trained. Under DDP the ranks first meet in the loop, where they agree on stops.
         with stop.interruptible() if world_size == 1 else contextlib.nullcontext():
@@ -337,7 +346,7 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
     finally:
         restore_signals()
         release_lock()
-        if world_size > 1:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
@@ -485,13 +494,10 @@ def grid(run: Run, log, path: str, step: int):
             with run.stop.interruptible(), own_rng(run.device):
                 sample.write_grid(run.ema, run.sched, run.cfg, run.device, path)
             log.grids.append(path)
-            if log.tensorboard is not None:
-                from torchvision.io import read_image
-                log.tensorboard.add_image('samples', read_image(path), step * run.cfg.batch_size)
-                log.tensorboard.flush()
+            log.out.image('samples', path, step * run.cfg.batch_size)
         except StopRequested:
             log.print(f'{path}: left out, a stop was requested')
-        except OSError as error:
+        except (OSError, RuntimeError) as error:  # a full disk; memory that a large grid runs out of
             log.print(f'warning: could not write the sample grid {path} ({brief(error)}); training goes on',
                       file=sys.stderr)
 
@@ -506,8 +512,9 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
             raise RuntimeError('DDP ranks ended with different weights')
     result = {'step': step, 'stopped': stopped, 'last': log.last, 'checkpoint': ckpt_path}
     if stopped:
-        log.print(f'stopped by {stopped} at step {step}: checkpoint saved to {ckpt_path}; '
-                  f'continue with --resume {ckpt_path} (the run\'s settings are replayed from it)')
+        launch = f'torchrun --nproc_per_node {run.world_size} train.py' if run.world_size > 1 else 'python train.py'
+        log.print(f'stopped by {stopped} at step {step}: checkpoint saved to {ckpt_path}; continue with '
+                  f'{launch} --resume {shlex.quote(ckpt_path)} (the run\'s settings are replayed from it)')
         return result
     per_epoch = run.loader.batches_per_epoch
     if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
@@ -515,10 +522,10 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
         grid(run, log, os.path.join(cfg.samples_dir, name), step)
     if cfg.eval_every:
         log.draw_curves(force=True)
-    last, samples, nan = log.last, f', samples in {cfg.samples_dir}/' if log.grids else '', float('nan')
-    log.print(f"done: {step} steps in {seconds:.1f}s; loss {last.get('loss', nan):.4f}, held-out loss "
-              f"{last.get('heldout_loss', nan):.4f} (EMA {last.get('heldout_loss_ema', nan):.4f}); checkpoint "
-              f"{ckpt_path}{samples}")
+    last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
+    losses = ', '.join(f'{name} {last[key]:.4f}' for key, name in (('loss', 'loss'), ('heldout_loss', 'held-out loss'),
+                                                                    ('heldout_loss_ema', 'EMA')) if key in last)
+    log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
     return result
 
 
@@ -545,8 +552,8 @@ def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
 
 
 class Metrics:
-    """metrics.jsonl, curves.png and the progress bar (written on rank 0 only), and the clock
-    of training time.
+    """metrics.jsonl (and TensorBoard, with --tensorboard), curves.png and the progress bar (written
+    on rank 0 only), and the clock of training time.
 
     Speed is of the training steps alone: the clock is paused while a grid, a checkpoint, the
     held-out loss or an evaluation runs, and the first step of a process (which compiles) is
@@ -563,10 +570,7 @@ class Metrics:
         self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
         self.interval_start, self.paused_s, self.train_seconds = time.perf_counter(), 0.0, train_seconds
         self.last, self.grids, self.curves_drawn = {}, [], 0.0
-        self.tensorboard = None
-        if self.active and cfg.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tensorboard = SummaryWriter(os.path.join(cfg.out_dir, 'tb'))
+        self.out = JsonLines(self.path, cfg.tensorboard and os.path.join(cfg.out_dir, 'tb')) if self.active else None
         if self.active:
             self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
                         'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
@@ -582,13 +586,7 @@ class Metrics:
 
     def write(self, row: dict):
         if self.active:
-            with open(self.path, 'a') as f:
-                f.write(json.dumps(row) + '\n')
-        if self.tensorboard is not None and 'kind' in row:  # every number of the row, at its image count
-            for key, value in row.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool) and key != 'images_seen':
-                    self.tensorboard.add_scalar(f"{row['kind']}/{key}", value, row['images_seen'])
-            self.tensorboard.flush()
+            self.out.write(row)
         if row.get('kind') == 'train':
             self.last = row
 

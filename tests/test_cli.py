@@ -93,6 +93,8 @@ class Broken(Exception):
     (Broken('custom'), 7, 'error: custom'),
     (OSError(28, 'No space left on device'), 1, 'error: OSError: [Errno 28] No space left on device'),
     (KeyboardInterrupt(), 130, 'aborted by Ctrl-C (files are written whole or not at all)'),
+    (MemoryError('Unable to allocate 6.98 TiB'), 1, 'error: out of memory (MemoryError: Unable to allocate 6.98 TiB): '
+                                                   'ask for less'),
 ])
 def test_errors_become_one_line_and_their_exit_code(capsys, error, code, line):
     def main():
@@ -129,3 +131,9 @@ def test_unwritable_folder_is_a_config_error(tmp_path):
         cli.check_writable(str(tmp_path / 'a-file' / 'sub'), '--out')
     cli.check_writable(str(tmp_path / 'new' / 'sub'), '--out')
     assert os.listdir(tmp_path / 'new' / 'sub') == []  # the probe file is gone
+
+
+def test_write_beton_to_a_folder_is_refused_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(data, 'load_dataset', lambda *args: pytest.fail('the data set was loaded first'))
+    assert data.main(['--write-beton', str(tmp_path), '--dataset', 'shapes']) == 2
+    assert 'a folder; pass the path of the .beton file' in capsys.readouterr().err

@@ -297,7 +297,7 @@ def test_a_folder_of_other_samples_or_in_use_is_refused(ckpt, tmp_path, capsys):
     assert 'holds samples drawn with other settings (seed 0, now 1)' in err and len(err.splitlines()) == 1
     assert (tmp_path / 'out' / '000000.png').read_bytes() == before
     import socket
-    (tmp_path / 'out' / 'lock').write_text(json.dumps({'pid': os.getpid(), 'host': socket.gethostname()}))
+    (tmp_path / 'out' / 'lock').write_text(json.dumps({'pid': os.getppid(), 'host': socket.gethostname()}))
     assert sample.cli(common) == 2 and 'in use by another run' in capsys.readouterr().err
 
 
@@ -351,3 +351,30 @@ def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
                                         generator=torch.Generator().manual_seed(batch_seed(0, 0)))
         assert torch.equal(got, sample.to_uint8(x))
     assert not np.array_equal(*(np.load(tmp_path / s / 'samples_3x16.npz')['arr_0'] for s in ('logsnr', 'time')))
+
+
+
+def test_a_refused_run_leaves_no_settings_and_a_touched_checkpoint_continues(ckpt, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / 'out')
+    assert sample.cli(['--ckpt', ckpt, '--num', '100000000', '--device', 'cpu', '--out', out]) == 2
+    assert not os.path.exists(os.path.join(out, 'samples.json'))
+    common = ['--ckpt', ckpt, '--num', '4', '--batch-size', '2', '--steps', '2', '--device', 'cpu', '--out', out]
+    write, calls = sample.write_batch, []
+
+    def sigterm_after_the_first(*args):
+        write(*args)
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(sample, 'write_batch', sigterm_after_the_first)
+    assert sample.cli(common) == 0 and len(calls) == 1
+    os.utime(ckpt)  # the same bytes at a new time: the same settings
+    assert sample.cli(common) == 0 and len(calls) == 2  # continued: only the second batch drawn
+
+
+def test_corrupt_local_inception_weights_are_named(ckpt, tmp_path, capsys):
+    (tmp_path / 'inception.pth').write_bytes(b'not weights')
+    assert sample.cli(['--ckpt', ckpt, '--num', '2', '--fid', '--device', 'cpu', '--out', str(tmp_path / 'o'),
+                       '--inception-weights', str(tmp_path / 'inception.pth')]) == 2
+    err = capsys.readouterr().err
+    assert 'inception.pth: cannot load it' in err and 'download' not in err

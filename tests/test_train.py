@@ -421,8 +421,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
     assert not list((tmp_path / 'samples').glob('step_*.png'))
     # ... and the run resumes from there with the printed hint (every other setting is replayed).
     hint = (out + err).split('continue with ')[1].split()
-    assert hint[:2] == ['--resume', str(tmp_path / 'run' / 'ckpt.pt')]
-    assert train.cli([*hint[:2], '--steps', str(step + 2), '--sample-every', '0', '--heldout-size', '16']) == 0
+    assert hint[:4] == ['python', 'train.py', '--resume', str(tmp_path / 'run' / 'ckpt.pt')]
+    assert train.cli([*hint[2:4], '--steps', str(step + 2), '--sample-every', '0', '--heldout-size', '16']) == 0
     assert load_ckpt(tmp_path)['step'] == step + 2
 
 
@@ -542,7 +542,7 @@ def test_resume_into_another_runs_folder_is_refused(tmp_path, capsys):
     capsys.readouterr()
     other = str(tmp_path / 'a' / 'run' / 'ckpt.pt')
     assert run(tmp_path / 'b', '--steps', '4', '--sample-every', '0', '--resume', other) == 2
-    assert "holds another run's checkpoint" in _stderr_line(capsys)
+    assert 'that the resumed run would overwrite: pass another --out-dir' in _stderr_line(capsys)
     assert (tmp_path / 'b' / 'run' / 'ckpt.pt').read_bytes() == before
 
 
@@ -560,9 +560,11 @@ def test_resume_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
     assert 'other.pt' in _stderr_line(capsys)
 
 
-def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys):
-    def disk_full(*args, **kwargs):
-        raise OSError(28, 'No space left on device')
+@pytest.mark.parametrize('failure', [OSError(28, 'No space left on device'),
+                                     RuntimeError("DefaultCPUAllocator: can't allocate memory")])
+def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys, failure):
+    def disk_full(*args, **kwargs):  # a full disk, or a grid too large for memory
+        raise failure
     monkeypatch.setattr(sample, 'write_grid', disk_full)
     assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
     captured = capsys.readouterr()
@@ -928,3 +930,90 @@ def test_evaluation_reads_the_test_split_and_fid_the_training_split(tmp_path, mo
     expected = sample.statistics(stand_in_extractor(train_split).numpy())
     assert np.allclose(evaluator.reference['mu'], expected['mu']) and np.allclose(evaluator.reference['sigma'],
                                                                                    expected['sigma'])
+
+
+
+# ----------------------------------------------------------------------------- tried as a tester would
+
+def test_a_lock_naming_this_process_is_taken_over(tmp_path, capsys):
+    # A container restarted after kill -9 may give the new run the pid the lock names.
+    (tmp_path / 'run').mkdir()
+    lock = {'pid': os.getpid(), 'host': __import__('socket').gethostname(), 'started': 'before the restart'}
+    (tmp_path / 'run' / 'lock').write_text(json.dumps(lock))
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0', '--resume', 'auto') == 0
+    assert 'taking over the lock' in capsys.readouterr().out
+
+
+def test_out_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    (tmp_path / 'afile').write_text('')
+    assert run(tmp_path, '--steps', '2', '--out-dir', str(tmp_path / 'afile')) == 2
+    assert 'cannot write there' in _stderr_line(capsys)
+
+
+@pytest.mark.parametrize('damage, expected', [
+    (lambda ckpt: ckpt.pop('optimizer'), 'not a complete train.py checkpoint (it lacks optimizer)'),
+    (lambda ckpt: ckpt['ema']['conv_out.bias'].fill_(float('nan')), 'its ema weights are not finite'),
+    (lambda ckpt: ckpt['optimizer']['param_groups'].append({}), 'its states do not fit this run'),
+])
+def test_damaged_checkpoints_are_refused_at_resume(tmp_path, capsys, damage, expected):
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    path = tmp_path / 'run' / 'ckpt.pt'
+    ckpt = torch.load(path, weights_only=True)
+    damage(ckpt)
+    torch.save(ckpt, path)
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--resume', 'auto') == 2
+    assert expected in _stderr_line(capsys)
+
+
+def test_resume_from_a_file_that_is_not_a_checkpoint_says_so(tmp_path, capsys):
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
+    capsys.readouterr()
+    assert train.cli(['--resume', str(tmp_path / 'run' / 'metrics.jsonl')]) == 2
+    assert 'not a train.py checkpoint (not a file written by torch.save)' in _stderr_line(capsys)
+
+
+def test_epochs_at_a_resume_set_the_length_of_a_run_begun_with_steps(tmp_path):
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0') == 0
+    assert train.cli(['--resume', str(tmp_path / 'run' / 'ckpt.pt'), '--epochs', '1']) == 0  # 12 steps per epoch
+    assert load_ckpt(tmp_path)['step'] == 12
+
+
+def test_a_copy_resumed_elsewhere_keeps_its_grids_in_its_own_folder(tmp_path):
+    assert run(tmp_path / 'a', '--steps', '2') == 0
+    (tmp_path / 'copy').mkdir()
+    __import__('shutil').copy(tmp_path / 'a' / 'run' / 'ckpt.pt', tmp_path / 'copy' / 'ckpt.pt')
+    assert train.cli(['--resume', str(tmp_path / 'copy' / 'ckpt.pt'), '--steps', '4']) == 0
+    assert (tmp_path / 'copy' / 'samples' / 'step_0000004.png').exists()
+    assert not (tmp_path / 'a' / 'samples' / 'step_0000004.png').exists()  # the original's folder untouched
+
+
+def test_a_stop_during_an_evaluation_saves_that_step_and_owes_it(tmp_path, monkeypatch, shapes_fid_dir):
+    import sample as sample_module
+    monkeypatch.setattr(sample_module, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    bits, calls = sample_module.bits_per_image, []
+
+    def sigterm_in_the_first_evaluation(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return bits(*args, **kwargs)
+    monkeypatch.setattr(sample_module, 'bits_per_image', sigterm_in_the_first_evaluation)
+    common = ['--eval-every', '24', *EVAL, '--data-dir', shapes_fid_dir(tmp_path)]
+    assert run(tmp_path, *common, '--steps', '6') == 0  # the first evaluation is due at step 3
+    ckpt = load_ckpt(tmp_path)
+    assert ckpt['step'] == 3 and ckpt['eval_owed'] and not eval_rows(tmp_path)  # that step, not the next
+    assert run(tmp_path, *common, '--steps', '3', '--resume', 'auto') == 0  # at the target: it runs what it owes
+    assert [r['step'] for r in eval_rows(tmp_path)] == [3] and not load_ckpt(tmp_path)['eval_owed']
+
+
+def test_a_stop_during_start_up_exits_cleanly(tmp_path, monkeypatch, capsys):
+    validate = train.validate
+
+    def sigterm_while_validating(*args):
+        os.kill(os.getpid(), signal.SIGTERM)  # before the data and the model are built
+        return validate(*args)
+    monkeypatch.setattr(train, 'validate', sigterm_while_validating)
+    assert run(tmp_path, '--steps', '5') == 0
+    assert 'stopped by SIGTERM before training started' in capsys.readouterr().out
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists() and not (tmp_path / 'run' / 'lock').exists()
