@@ -4,7 +4,8 @@ One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir (w
 
     command                              mode        what it measures
     python benchmark.py                  ladder      every row: ms/iter, img/s, TFLOP/s, MFU; the diffusers
-                                                     peer beside our fastest row; then sampling speed
+                                                     peers beside our fastest row (its UNet in our loop, its
+                                                     training recipe); then sampling speed
     python benchmark.py --profile        profile     torch.profiler of the fastest row: a trace, top kernels
     python benchmark.py --sweep batch    sweep       one setting (batch|workers|amp|compile) around that row
     python benchmark.py --loader-only    loaders     images/s each data path delivers vs the step's consumption
@@ -67,14 +68,17 @@ class BenchConfig:
     tf32: bool = flag(False, 'let the fp32 rows use TF32 tensor cores (then their MFU is against the TF32 peak); '
                              'off by default, so that fp32 is fp32 and compares with the reference table\'s 19.5')
     stem: str = flag('', 'output file name stem, a plain name (default: <gpu>-<preset>, plus the mode)')
-    peer: bool = flag(True, "time diffusers' UNet2DModel of the same architecture, where installed")
+    peer: bool = flag(True, "time the peers beside our fastest row, where diffusers is installed: its UNet2DModel "
+                            "(the same function, our settings) and its training recipe (train_unconditional.py's loop)")
     peak_tflops: float | None = flag(None, 'dense peak TFLOP/s of the mixed-precision rows (overrides the table)',
                                      positive=True)
     peak_tflops_fp32: float | None = flag(None, 'dense peak TFLOP/s of the fp32/TF32 rows (overrides the table)',
                                           positive=True)
-    quick: bool = flag(False, 'a smoke run: few iterations, small batches; on CPU torch.compile uses the eager '
-                              'backend (dynamo traces the model, the graph runs eagerly: inductor\'s C++ build takes '
-                              'minutes per graph); sampling takes DDIM-10 and DDPM over T=100')
+    quick: bool = flag(False, 'a smoke run: few iterations, small batches; sampling takes DDIM-10 and DDPM over '
+                              'T=100')
+    compile_backend: str = flag('auto', 'torch.compile backend of the compiled rows (auto: inductor, but eager under '
+                                        '--quick on a CPU: dynamo traces, the graph runs eagerly, no minutes of C++ '
+                                        'builds)', choices=('auto', 'inductor', 'aot_eager', 'eager'))
     profile: bool = flag(False, 'profile the best row: Chrome/Perfetto trace, top ops table and chart')
     sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
                        choices=('', 'batch', 'workers', 'amp', 'compile'))
@@ -107,6 +111,7 @@ class Row:
     attention: str = 'manual'
     compile: bool = False
     compile_mode: str = 'default'
+    compile_scope: str = 'loss'  # 'model': torch.compile of the network alone, as before the whole-loss graph
     amp: str = 'off'
     channels_last: bool = False
     fused_adam: bool = False
@@ -122,13 +127,15 @@ def ladder(bench: BenchConfig, device: torch.device) -> list:
     def add(name, **change):
         rows.append(dataclasses.replace(rows[-1], name=name, **change))
     add(f'Scale up batch size ({bench.big_batch})', batch_size=bench.big_batch)
-    add('torch.compile', compile=True)
+    add('torch.compile (the network)', compile=True, compile_scope='model')
+    add('torch.compile (the whole loss, one graph)', compile_scope='loss')
     add('PyTorch SDPA', attention='sdpa')
     add(f'Mixed precision ({amp})', amp=amp)
     add('Channels-last', channels_last=True)
     add('Fused Adam', fused_adam=True)
     add('FFCV data loading', loader='ffcv')
     add('GPU-resident data' if device.type == 'cuda' else 'Device-resident data (gpu loader, in RAM)', loader='gpu')
+    add('compile reduce-overhead (CUDA graphs)', compile_mode='reduce-overhead')
     add('compile max-autotune (no CUDA graphs)', compile_mode='max-autotune-no-cudagraphs')
     add('compile max-autotune + CUDA graphs', compile_mode='max-autotune')
     return rows
@@ -178,28 +185,33 @@ class Clock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def time_training(run: train.Run, bench: BenchConfig) -> dict:
-    """Compile time (first iteration), then the median ms of `iters` iterations after warm-up."""
-    device = run.device
-    stream = train.batches(run, 0)
+def time_iterations(iterate: typing.Callable, device: torch.device, bench: BenchConfig) -> dict:
+    """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up.
+    iterate(step) runs one training iteration, data included, and leaves its loss on the device."""
     start = time.perf_counter()
-    train.train_step(run, next(stream), 0)
+    iterate(0)
     synchronize(device)
     compile_s = time.perf_counter() - start
     for step in range(1, bench.warmup + 1):
-        train.train_step(run, next(stream), step)
+        iterate(step)
     synchronize(device)
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
     clock = Clock(device)
     clock.mark()
     for step in range(bench.warmup + 1, bench.warmup + 1 + bench.iters):
-        train.train_step(run, next(stream), step)  # the loss stays on the device: no sync
+        iterate(step)  # no sync: the next iteration's host work overlaps this one's kernels
         clock.mark()
     intervals = clock.intervals_ms()
     return {'ms_per_iter': statistics.median(intervals), 'ms_min': min(intervals), 'ms_max': max(intervals),
             'compile_s': compile_s,
             'peak_mem_gb': torch.cuda.max_memory_allocated(device) / 1e9 if device.type == 'cuda' else None}
+
+
+def time_training(run: train.Run, bench: BenchConfig) -> dict:
+    """train.py's step (train.train_step) on train.py's batches."""
+    stream = train.batches(run, 0)
+    return time_iterations(lambda step: train.train_step(run, next(stream), step), run.device, bench)
 
 
 def release(device: torch.device):
@@ -208,10 +220,26 @@ def release(device: torch.device):
         torch.cuda.empty_cache()
 
 
-def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None) -> train.Run:
+def compile_backend(bench: BenchConfig, device: torch.device) -> str:
+    if bench.compile_backend == 'auto':
+        return 'eager' if bench.quick and device.type == 'cpu' else 'inductor'
+    return bench.compile_backend
+
+
+def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None,
+                  compile_scope: str = 'loss') -> train.Run:
+    """train.py's run of a row; compile_scope 'model' compiles the network alone (the loss
+    around it runs eagerly), 'loss' the whole loss as train.py does."""
     run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)
-    if row_cfg.compile and device.type == 'cpu' and bench.quick:
-        run.net = torch.compile(run.model, backend='eager')
+    if row_cfg.compile:  # torch.compile is lazy: replacing the loss before its first call costs nothing
+        backend = compile_backend(bench, device)
+        options = {} if backend == 'inductor' else {'backend': backend}
+        if compile_scope == 'model':
+            mode = None if row_cfg.compile_mode == 'default' or options else row_cfg.compile_mode
+            net = torch.compile(run.model, mode=mode, **options)
+            run.loss = train.make_loss(dataclasses.replace(row_cfg, compile=False), net, run.sched, device)
+        elif options:
+            run.loss = train.make_loss(row_cfg, run.model, run.sched, device, mode=None, **options)
     return run
 
 
@@ -250,7 +278,7 @@ def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_mode
         if row.loader == 'ffcv':
             dataset = beton_for(bench, dataset_name, dataset)
             row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=dataset.path)
-        run = build_row_run(row_cfg, bench, device, dataset, make_model)
+        run = build_row_run(row_cfg, bench, device, dataset, make_model, row.compile_scope)
         result = describe(time_training(run, bench), row_cfg, bench, device, flops)
     except torch.cuda.OutOfMemoryError as error:
         return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
@@ -259,8 +287,8 @@ def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_mode
     finally:
         run = None
         release(device)
-    if row_cfg.compile and device.type == 'cpu' and bench.quick:
-        result['note'] = 'torch.compile with backend=eager (--quick on CPU)'
+    if row_cfg.compile and compile_backend(bench, device) != 'inductor':
+        result['note'] = f'torch.compile with backend={compile_backend(bench, device)}'
     return {**entry, **result}
 
 
@@ -307,14 +335,19 @@ def diffusers_missing_reason() -> str | None:
 
 def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """diffusers under the settings of our fastest row (compile, precision, channels-last, fused
-    Adam, data path, batch); its attention is its own default, SDPA. Our fastest row is timed
-    again right after it, so that the ratio compares two neighbouring timings, not a drift of
-    the GPU's clocks between the start and the end of the ladder."""
+    Adam, data path, batch); its attention is its own default, SDPA."""
     reason = diffusers_missing_reason()
     if reason:
-        return {'name': 'diffusers UNet2DModel', 'skipped': reason}
+        return {'name': 'diffusers UNet2DModel', 'kind': 'model', 'skipped': reason}
     row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', attention='sdpa')
-    result = measure_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)
+    result = {'kind': 'model',
+              **measure_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)}
+    return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
+
+
+def beside_ours(result: dict, best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """A peer's timing with our fastest row timed again right after it, so that the ratio compares
+    two neighbouring timings, not a drift of the GPU's clocks since the start of the ladder."""
     from diffusers import __version__ as version
     result['diffusers'] = version
     if 'img_per_s' not in result:
@@ -326,6 +359,120 @@ def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_n
         result.update(ours_again={k: again[k] for k in ('ms_per_iter', 'img_per_s')},
                       ratio=again['img_per_s'] / result['img_per_s'])
     return result
+
+
+# ----------------------------------------------------------------------------- the system peer
+
+# diffusers' unconditional training example (examples/unconditional_image_generation/
+# train_unconditional.py): its defaults, as a user who runs it gets them.
+RECIPE = {'lr': 1e-4, 'betas': (0.95, 0.999), 'weight_decay': 1e-6, 'eps': 1e-8, 'lr_schedule': 'cosine',
+          'lr_warmup_steps': 500, 'epochs': 100, 'grad_clip': 1.0, 'ema_max_decay': 0.9999, 'ema_inv_gamma': 1.0,
+          'ema_power': 3 / 4}
+
+
+def recipe_parts(config, device: torch.device, steps_per_epoch: int) -> dict:
+    """The example's objects around our network's function (model.diffusers_config): UNet2DModel,
+    DDPMScheduler, AdamW, the cosine schedule with warm-up, EMAModel with its warm-up."""
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+    unet = UNet2DModel(**diffusers_config(config)).to(device)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=RECIPE['lr'], betas=RECIPE['betas'],
+                                  weight_decay=RECIPE['weight_decay'], eps=RECIPE['eps'])
+    ema = EMAModel(unet.parameters(), decay=RECIPE['ema_max_decay'], use_ema_warmup=True,
+                   inv_gamma=RECIPE['ema_inv_gamma'], power=RECIPE['ema_power'], model_cls=UNet2DModel,
+                   model_config=unet.config)
+    ema.to(device)
+    return {'unet': unet, 'noise_scheduler': DDPMScheduler(num_train_timesteps=train.NUM_TIMESTEPS),
+            'optimizer': optimizer, 'ema': ema, 'device': device,
+            'lr_scheduler': get_scheduler(RECIPE['lr_schedule'], optimizer=optimizer,
+                                          num_warmup_steps=RECIPE['lr_warmup_steps'],
+                                          num_training_steps=steps_per_epoch * RECIPE['epochs'])}
+
+
+def recipe_step(parts: dict, clean_images: torch.Tensor, amp: str) -> torch.Tensor:
+    """One iteration of the example's loop: the batch to the device, noise, timesteps, add_noise,
+    the UNet under autocast (accelerate's mixed precision), MSE in fp32, backward, clipping,
+    AdamW, the lr schedule, zero_grad, the EMA."""
+    unet, noise_scheduler, device = parts['unet'], parts['noise_scheduler'], parts['device']
+    clean_images = clean_images.to(device)
+    noise = torch.randn(clean_images.shape, device=device)
+    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],), device=device)
+    noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+    with autocast(amp, device):
+        model_output = unet(noisy_images, timesteps).sample
+    loss = torch.nn.functional.mse_loss(model_output.float(), noise.float())
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(unet.parameters(), RECIPE['grad_clip'])
+    parts['optimizer'].step()
+    parts['lr_scheduler'].step()
+    parts['optimizer'].zero_grad()
+    parts['ema'].step(unet.parameters())
+    return loss.detach()
+
+
+def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int):
+    """The example's data path: image files decoded by PIL in DataLoader workers, its transforms
+    (resize, centre crop, random flip, to [-1, 1]), shuffled; no pinned memory."""
+    from torchvision import datasets, transforms
+    augmentations = transforms.Compose([
+        transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BILINEAR),
+        transforms.CenterCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.Normalize([0.5], [0.5])])
+    images = datasets.ImageFolder(folder, transform=augmentations)
+    return torch.utils.data.DataLoader(images, batch_size=batch_size, shuffle=True, num_workers=num_workers)
+
+
+def recipe_batches(loader):
+    while True:  # the example's epoch loop: each epoch starts the loader's workers anew
+        for images, _ in loader:
+            yield images
+
+
+def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
+    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder
+    reads) next to the data, written once: what the example trains from."""
+    folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
+    if not os.path.isdir(folder):
+        print(f'writing {folder} for the diffusers recipe row ...', flush=True)
+        import shutil
+        from torchvision.io import write_png
+        partial = folder + '.partial'
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(os.path.join(partial, 'images'))
+        for index in range(len(dataset)):
+            write_png(dataset[index], os.path.join(partial, 'images', f'{index:06d}.png'))
+        os.replace(partial, folder)  # whole or not at all
+    return folder
+
+
+def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """The system peer: what a diffusers user runs to train this network (RECIPE, recipe_step,
+    recipe_loader) on the same images as files, at our fastest row's batch size and precision,
+    eager as the example is; then our fastest row again."""
+    name = f'diffusers training recipe (train_unconditional.py loop, {bench.num_workers} workers)'
+    entry = {'name': name, 'kind': 'recipe', 'batch_size': best.batch_size, 'settings': {**RECIPE, 'amp': best.amp}}
+    reason = diffusers_missing_reason()
+    if reason:
+        return {**entry, 'skipped': reason}
+    row = Row(name, best.batch_size, amp=best.amp)
+    row_cfg = row_train_config(row, bench, device, dataset_name)
+    try:
+        folder = image_folder_for(bench, dataset_name, dataset)
+        loader = recipe_loader(folder, bench.image_size, best.batch_size, bench.num_workers)
+        torch.manual_seed(bench.seed)
+        parts = recipe_parts(get_config(bench.preset, image_size=bench.image_size), device, len(loader))
+        stream = recipe_batches(loader)
+        result = describe(time_iterations(lambda step: recipe_step(parts, next(stream), row_cfg.amp), device, bench),
+                          row_cfg, bench, device, flops)
+    except torch.cuda.OutOfMemoryError as error:
+        return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
+    except Exception as error:
+        return {**entry, 'failed': brief(error, 300)}
+    finally:
+        parts = loader = stream = None
+        release(device)
+    return beside_ours({**entry, **result}, best, best_result, bench, device, dataset, dataset_name, flops)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -367,11 +514,11 @@ def fmt(value, spec: str, missing: str = 'n/a') -> str:
     return missing if value is None else format(value, spec)
 
 
-def markdown_table(rows: list, peer: dict | None) -> str:
+def markdown_table(rows: list, peers: list) -> str:
     lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup '
              '| Peak mem (GB) |',
              '| :- | -: | :- | -: | -: | -: | -: | -: | -: | -: |']
-    for r in rows + ([peer] if peer else []):
+    for r in rows + peers:
         if 'skipped' in r or 'failed' in r:
             why = f"skipped: {r['skipped']}" if 'skipped' in r else f"FAILED: {r['failed']}"
             lines.append(f"| {r['name']} | {r.get('batch_size', '')} | {why} | | | | | | | |")
@@ -384,28 +531,31 @@ def markdown_table(rows: list, peer: dict | None) -> str:
     return '\n'.join(lines)
 
 
-def summary_lines(meta: dict, rows: list, peer) -> str:
+def summary_lines(meta: dict, rows: list, peers: list) -> str:
     flops = meta['flops_per_image']
     lines = [f"{meta['preset']} at {meta['image_size']}x{meta['image_size']}. FLOPs per image, forward+backward: "
              f"{flops['train'] / 1e9:.2f} GFLOP ({flops['method']}); torchinfo MACs x 2 x 3: "
              f"{flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, no attention). TFLOP/s and "
              f"MFU below use the first."]
-    if peer and peer.get('ratio'):
-        again = peer['ours_again']
-        lines.append(f"Our fastest row ({peer['ours']}), timed again right after the peer: {again['img_per_s']:,.0f} "
-                     f"img/s, {peer['ratio']:.2f}x the {peer['img_per_s']:,.0f} img/s of diffusers "
-                     f"{peer.get('diffusers', '')} UNet2DModel (the same function) under the same settings "
-                     f"(first timing of our row: {peer['ratio_first_timing']:.2f}x).")
+    what = {'model': 'UNet2DModel (the same function) under the same settings',
+            'recipe': 'training recipe (its loop, data path and settings, eager, the same network and images)'}
+    for peer in peers:
+        if peer.get('ratio'):
+            again = peer['ours_again']
+            lines.append(f"Our fastest row ({peer['ours']}), timed again right after the {peer['kind']} peer: "
+                         f"{again['img_per_s']:,.0f} img/s, {peer['ratio']:.2f}x the {peer['img_per_s']:,.0f} img/s "
+                         f"of diffusers {peer.get('diffusers', '')} {what[peer['kind']]} (first timing of our row: "
+                         f"{peer['ratio_first_timing']:.2f}x).")
     return '\n'.join(lines)
 
 
-def bar_chart(rows: list, peer, title: str, path: str):
+def bar_chart(rows: list, peers: list, title: str, path: str):
     plt = pyplot()
-    measured = [r for r in rows if 'img_per_s' in r] + ([peer] if peer and 'img_per_s' in peer else [])
+    measured = [r for r in rows + peers if 'img_per_s' in r]
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(measured) + 1.5))
     names = [r['name'] for r in measured][::-1]
     values = [r['img_per_s'] for r in measured][::-1]
-    colours = ['tab:gray' if r is peer else 'tab:blue' for r in measured][::-1]
+    colours = ['tab:gray' if 'kind' in r else 'tab:blue' for r in measured][::-1]
     bars = ax.barh(names, values, color=colours)
     for bar, r in zip(bars, measured[::-1]):
         label = f" {r['img_per_s']:,.0f} img/s" + (f"  ({r['speedup']:.2f}x)" if r.get('speedup') else '')
@@ -430,22 +580,24 @@ def write_report(bench: BenchConfig, stem: str, result: dict, title: str, body: 
     return path + '.png'
 
 
-def write_outputs(stem: str, meta: dict, rows: list, peer, bench: BenchConfig, final: bool = True) -> dict:
+def write_outputs(stem: str, meta: dict, rows: list, peers: dict, bench: BenchConfig, final: bool = True) -> dict:
     """The ladder's report, rewritten after every row (final=False: quietly, with 'complete':
     false in the JSON), so that a run killed at a time limit keeps its rows; the chart and the
-    printed table at the end."""
-    result = {**meta, 'complete': final, 'rows': rows, 'peer': peer}
-    table = markdown_table(rows, peer)
+    printed table at the end. peers: {'peer': the model peer, 'recipe': the system peer}, each
+    None until measured."""
+    result = {**meta, 'complete': final, 'rows': rows, 'peer': peers.get('peer'), 'recipe': peers.get('recipe')}
+    measured_peers = [p for p in (peers.get('peer'), peers.get('recipe')) if p]
+    table = markdown_table(rows, measured_peers)
     if meta.get('sampling'):
         table += ('\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n'
                   + sampling_table(meta['sampling']))
     status = '' if final else '\n\n(incomplete: the run was still going, or was stopped, when this was written)'
     png = write_report(bench, stem, result, f"Training speed: {meta['preset']} on {meta['device']}",
-                       table + status, notes='\n\n' + summary_lines(meta, rows, peer))
+                       table + status, notes='\n\n' + summary_lines(meta, rows, measured_peers))
     if final:  # the chart once, at the end (matplotlib costs about a second)
-        bar_chart(rows, peer, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
+        bar_chart(rows, measured_peers, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
         print(table)
-        print(summary_lines(meta, rows, peer))
+        print(summary_lines(meta, rows, measured_peers))
         print(f'wrote {png[:-4]}.json, .md and .png')
     return result
 
@@ -510,27 +662,29 @@ def run_ladder(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     rows = selected_rows(bench, device)
     meta = {**header(bench, device, flops, dataset_name), 'rows_planned': [row.name for row in rows]}
-    stem, results, peer = output_stem(bench, device), [], None
+    stem, results, peers = output_stem(bench, device), [], {}
     for index, row in enumerate(rows, 1):
         print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
         results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
         add_speedups(results)
         print(row_line(index, len(rows), results[-1]), flush=True)
-        write_outputs(stem, meta, results, peer, bench, final=False)
+        write_outputs(stem, meta, results, peers, bench, final=False)
     measured = [(row, r) for row, r in zip(rows, results) if 'img_per_s' in r]
     if bench.peer and measured:
         fastest = max(measured, key=lambda pair: pair[1]['img_per_s'])
-        print('peer: diffusers UNet2DModel, then our fastest row again ...', flush=True)
-        peer = measure_peer(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
-        add_speedups([results[0], peer])
-        print(row_line(len(rows) + 1, len(rows) + 1, peer), flush=True)
-        write_outputs(stem, meta, results, peer, bench, final=False)
+        for key, measure, what in (('peer', measure_peer, 'diffusers UNet2DModel'),
+                                   ('recipe', measure_recipe, "diffusers' training recipe")):
+            print(f'peer: {what}, then our fastest row again ...', flush=True)
+            peers[key] = measure(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
+            add_speedups([results[0], peers[key]])
+            print(row_line(len(rows) + len(peers), len(rows) + 2, peers[key]), flush=True)
+            write_outputs(stem, meta, results, peers, bench, final=False)
     if bench.sampling:
         meta['sampling'] = []
         for sampler_row in run_sampling(bench, device, flops):
             meta['sampling'].append(sampler_row)
-            write_outputs(stem, meta, results, peer, bench, final=False)
-    return write_outputs(stem, meta, results, peer, bench)
+            write_outputs(stem, meta, results, peers, bench, final=False)
+    return write_outputs(stem, meta, results, peers, bench)
 
 
 # ----------------------------------------------------------------------------- sampling speed
@@ -787,7 +941,7 @@ def accuracy_plot(rows: list, path: str, floor: dict = None):
 def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_name, seed: int) -> dict:
     """Trains `bench.steps` steps under a row's settings; held-out losses of the model and EMA."""
     row_cfg = dataclasses.replace(row_train_config(row, bench, device, dataset_name), seed=seed)
-    run = build_row_run(row_cfg, bench, device, dataset)
+    run = build_row_run(row_cfg, bench, device, dataset, compile_scope=row.compile_scope)
     start = time.perf_counter()
     stream = train.batches(run, 0)
     loss_sum = torch.zeros((), device=device)
@@ -916,7 +1070,7 @@ def profile_best_row(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     row = start_row(bench, device)
     row_cfg = row_train_config(row, bench, device, dataset_name)
-    run = build_row_run(row_cfg, bench, device, dataset)
+    run = build_row_run(row_cfg, bench, device, dataset, compile_scope=row.compile_scope)
     stream = train.batches(run, 0)
     for step in range(3):  # compile and warm up outside the profile
         train.train_step(run, next(stream), step)
@@ -1010,7 +1164,7 @@ def run_sweep(bench: BenchConfig) -> dict:
     add_speedups(results)  # relative to the sweep's first point
     meta = header(bench, device, flops, dataset_name)
     stem = output_stem(bench, device, f'sweep-{bench.sweep}')
-    table = markdown_table(results, None)
+    table = markdown_table(results, [])
     png = write_report(bench, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
                        f"Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}", table)
     sweep_plot(results, bench.sweep, meta, png)

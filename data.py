@@ -301,6 +301,15 @@ def epoch_order(num_images: int, seed: int, epoch: int):
     return permutation, flips
 
 
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without stalling the host: from pinned memory, a copy that
+    is queued on the stream (a pageable source makes .to() wait for the copy). The pinned
+    buffer is not reused before the copy ends (the caching host allocator records it)."""
+    if torch.device(device).type != 'cuda':
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def to_model_input(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
     """uint8 (B, 3, H, W) and (B,) flip flags -> float32 in [-1, 1], flipped where asked."""
     images = torch.where(flips[:, None, None, None], images.flip(-1), images)
@@ -336,7 +345,7 @@ class GPULoader(Loader):
         self.device = device
 
     def epoch(self, epoch: int, start: int = 0):
-        indices, flips = (t.to(self.device) for t in self.shard(epoch))
+        indices, flips = (to_device_async(t, self.device) for t in self.shard(epoch))
         for b in range(start, self.batches_per_epoch):
             batch = slice(b * self.batch_size, (b + 1) * self.batch_size)
             yield to_model_input(self.images[indices[batch]], flips[batch])

@@ -145,14 +145,25 @@ class AttnBlock(nn.Module):
     def forward(self, x):
         B, C, H, W = x.shape
         heads, head_dim = self.num_heads, C // self.num_heads
-        qkv = self.qkv(self.norm(x)).reshape(B, 3, heads, head_dim, H * W)
-        q, k, v = qkv.transpose(-1, -2).unbind(1)  # each (B, heads, HW, head_dim)
+        tokens = self.qkv(self.norm(x)).flatten(2).transpose(1, 2)  # (B, HW, 3C), a view
+        # The fused SDPA kernels (flash, memory-efficient, cuDNN) need a unit stride on the
+        # last dimension, or SDPA falls back to the math kernel: channels-last gives it for
+        # free, NCHW pays one copy of q, k and v together.
+        channels_last = tokens.stride(-1) == 1
+        if not channels_last:
+            tokens = tokens.contiguous()
+        q, k, v = tokens.unflatten(2, (3, heads, head_dim)).permute(2, 0, 3, 1, 4)  # each (B, heads, HW, head_dim)
         if self.attention == 'sdpa':
             h = F.scaled_dot_product_attention(q, k, v)
         else:
             weights = (q @ k.transpose(-1, -2)) * head_dim ** -0.5  # (B, heads, HW, HW)
             h = weights.softmax(dim=-1) @ v  # (B, heads, HW, head_dim)
-        h = h.transpose(-1, -2).reshape(B, C, H, W)
+        # Back in the input's layout (a mixed-layout conv pays for conversions): no copy in
+        # channels-last with one head, one in NCHW.
+        if channels_last:
+            h = h.transpose(1, 2).reshape(B, H, W, C).permute(0, 3, 1, 2)  # (B, C, H, W), NHWC in memory
+        else:
+            h = h.transpose(-1, -2).reshape(B, C, H, W).contiguous()
         return x + self.proj(h)
 
 

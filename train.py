@@ -64,7 +64,8 @@ class TrainConfig:
     schedule: str = flag('linear', 'beta schedule', choices=('linear', 'cosine'))
     attention: str = flag('sdpa', 'attention: F.scaled_dot_product_attention, or matmul-softmax-matmul',
                           choices=('sdpa', 'manual'))
-    compile: bool | None = flag(None, 'torch.compile the model (default: on for CUDA)')
+    compile: bool | None = flag(None, 'torch.compile the whole training loss as one graph: timesteps, noise, '
+                                      'q_sample, the model, the MSE (default: on for CUDA)')
     compile_mode: str = flag('default', 'torch.compile mode', choices=COMPILE_MODES)
     amp: str = flag('auto', 'autocast (auto: bf16 on CUDA, off on CPU)', choices=('auto', 'off', 'bf16', 'fp16'))
     channels_last: bool | None = flag(None, 'NHWC memory format (default: on for CUDA)')
@@ -132,17 +133,18 @@ def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float):
 
 @dataclass
 class Run:
-    """Everything one training process holds. `net` is what the step calls (the model, maybe
-    wrapped in DDP and torch.compile); `model` the plain module whose state is saved; `ema`
-    exists on rank 0 only. `stop` is set by SIGTERM/Ctrl-C; `control_group` is a CPU process
-    group for the ranks' control messages under DDP."""
+    """Everything one training process holds. `loss` is what the step calls: the loss of a batch
+    (make_loss; the model inside it maybe wrapped in DDP, the whole of it in torch.compile);
+    `model` the plain module whose state is saved; `ema` exists on rank 0 only. `stop` is set
+    by SIGTERM/Ctrl-C; `control_group` is a CPU process group for the ranks' control messages
+    under DDP."""
     cfg: TrainConfig
     device: torch.device
     rank: int
     world_size: int
     model: torch.nn.Module
     ema: torch.nn.Module | None
-    net: typing.Callable
+    loss: typing.Callable  # x0 -> L_simple of the batch, without a host sync
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sched: diffusion.Schedule
@@ -184,10 +186,9 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     net = model
     if world_size > 1:
         net = torch.nn.parallel.DistributedDataParallel(model)  # a single-device module: no device_ids needed
-    if cfg.compile:
-        net = torch.compile(net, mode=None if cfg.compile_mode == 'default' else cfg.compile_mode)
     sched = diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).to(device)
-    return Run(cfg, device, rank, world_size, model, ema, net, optimizer, scaler, sched, loader, loader_kind,
+    loss = make_loss(cfg, net, sched, device, fullgraph=world_size == 1)  # dynamo breaks the graph at DDP's forward
+    return Run(cfg, device, rank, world_size, model, ema, loss, optimizer, scaler, sched, loader, loader_kind,
                {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}, stop or StopFlag(), control_group,
                flags or {})
 
@@ -226,15 +227,30 @@ def restore(run: Run, ckpt: dict) -> int:
 
 # ----------------------------------------------------------------------------- the training step
 
+def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compile_options) -> typing.Callable:
+    """x0 -> L_simple of the batch (diffusion.training_loss) in the run's layout and precision.
+    With --compile it is one graph from the batch to the loss: timesteps, noise, q_sample, the
+    network and the MSE, forward and backward, so that CUDA graphs (reduce-overhead,
+    max-autotune) cover all of it and the elementwise work fuses into the network's kernels.
+    The learning rate and the EMA decay stay outside the graph: their schedules cannot cause
+    recompiles. compile_options go to torch.compile (the tests and the benchmark pick backends)."""
+    def loss_of(x0):
+        if cfg.channels_last:
+            x0 = x0.contiguous(memory_format=torch.channels_last)
+        with autocast(cfg.amp, device):
+            return diffusion.training_loss(net, sched, x0)
+    if not cfg.compile:
+        return loss_of
+    mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
+    return torch.compile(loss_of, **{'fullgraph': True, 'mode': mode, **compile_options})
+
+
 def train_step(run: Run, x0: torch.Tensor, step: int) -> torch.Tensor:
     """One optimizer step on a batch; returns the loss without synchronising with the host."""
     cfg = run.cfg
-    if cfg.channels_last:
-        x0 = x0.contiguous(memory_format=torch.channels_last)
     for group in run.optimizer.param_groups:
-        group['lr'] = lr_at(step, cfg)
-    with autocast(cfg.amp, run.device):
-        loss = diffusion.training_loss(run.net, run.sched, x0)
+        group['lr'] = lr_at(step, cfg)  # a float argument of fused Adam's kernel: no sync, no graph
+    loss = run.loss(x0)
     run.scaler.scale(loss).backward()
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)

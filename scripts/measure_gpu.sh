@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# The GPU measurements, as parts that each end well inside 10 minutes on one H100 and leave at
-# most 8 files (no checkpoints) in the output folder. Run from the repository root:
+# The GPU measurements, as parts that each end inside 10 minutes on one H100 by construction
+# (every benchmark runs under `timeout $PART_LIMIT`, 540 s unless set, and its JSON is rewritten
+# after every row, so a part cut short keeps the rows it finished and says so in its log) and
+# leave at most 8 files (no checkpoints) in the output folder. Run from the repository root:
 #
 #   bash scripts/measure_gpu.sh PART OUT_DIR            # on the GPU machine
 #   bash scripts/measure_gpu.sh PART OUT_DIR --quick    # the same wiring on a CPU, tiny preset (tested)
 #
 # Parts, in the order of results/NOTES.md's playbook (the headline first):
-#   headline  the baseline, our fastest default-compile row and diffusers' UNet2DModel peer
+#   headline  the baseline, our fastest default-compile row and the diffusers peers: its UNet2DModel in
+#             our loop, and its training recipe (train_unconditional.py's loop, data from PNG files)
 #   ladder    every default-compile row of the ladder, in one process
 #   profile   torch.profiler of the fastest default-compile row, and sampling speed
-#   gputests  tests/test_gpu.py and a short train.py run (img/s as train.py logs it)
+#   gputests  tests/test_gpu.py and a short train.py run with --compile (img/s as train.py logs it; in
+#             the --quick form the one part where Inductor compiles our step, for the CPU)
 #   autotune  the compile max-autotune row without CUDA graphs (minutes of autotuning)
-#   graphs    the compile max-autotune + CUDA graphs row (autotunes again: no cache survives between commands)
+#   graphs    the reduce-overhead row (CUDA graphs, no autotuning), then max-autotune + CUDA graphs
+#             (autotunes again: no cache survives between commands)
 #   quality   the equivalence check: baseline vs all default speed-ups, 600 steps
 #   loaders   images/s of each data path beside the step's consumption
 #   sweep     batch sizes 128, 512 and 2048 around the fastest default-compile row
@@ -38,7 +43,7 @@ if [ "$quick" = "--quick" ]; then
   common=(--device cpu --quick --data-dir "$scratch/data")
   preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
   sweep_values=4,8,16
-  train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3)
+  train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
 else
   [ -z "$quick" ] || { echo "$usage" >&2; exit 2; }
   for pin in "${PINNED[@]}"; do
@@ -72,9 +77,16 @@ v = runpy.run_path(os.path.join(os.path.dirname(importlib.util.find_spec('torch'
 print('torch', v['__version__'], 'cuda', v['cuda'])"; } > "$out/$1-environment.txt"
 }
 
+PART_LIMIT=${PART_LIMIT:-540}
 bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log
-  local log=$out/$1.log stem=$2; shift 2
-  python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" --stem "$stem" "$@" 2>&1 | tee -a "$log"
+  local log=$out/$1.log stem=$2 status=0; shift 2
+  timeout --kill-after=15 "$PART_LIMIT" python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" \
+    --stem "$stem" "$@" 2>&1 | tee -a "$log" || status=$?
+  if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+    echo "cut at ${PART_LIMIT} s: $stem.json keeps the rows finished before (\"complete\": false)" | tee -a "$log"
+  elif [ "$status" != 0 ]; then
+    exit "$status"
+  fi
 }
 
 run_part() {
@@ -85,12 +97,13 @@ run_part() {
     profile)  bench profile profile --profile
               gzip -c "$out/traces/profile.json" > "$out/profile-trace.json.gz" && rm -r "$out/traces"
               bench profile sampling --sampling-only ;;
-    gputests) { python3 -m pytest -q tests/test_gpu.py || echo "GPU tests failed"; } 2>&1 | tee "$out/gputests.log"
-              python3 train.py "${train_flags[@]}" --dataset shapes --shapes-count 4096 --sample-every 0 \
+    gputests) { timeout 300 python3 -m pytest -q tests/test_gpu.py || echo "GPU tests failed"; } 2>&1 \
+                | tee "$out/gputests.log"
+              timeout 240 python3 train.py "${train_flags[@]}" --dataset shapes --shapes-count 4096 --sample-every 0 \
                 --out-dir "$scratch/train" 2>&1 | tee -a "$out/gputests.log"
               cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl" ;;
     autotune) bench autotune autotune --rows "Baseline,no CUDA graphs" --no-peer --no-sampling --iters 20 ;;
-    graphs)   bench graphs graphs --rows "Baseline,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;
+    graphs)   bench graphs graphs --rows "Baseline,reduce-overhead,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     quality)  bench quality quality --quality --steps 600 ;;
     loaders)  bench loaders loaders --loader-only ;;
     sweep)    bench sweep sweep --sweep batch --sweep-values "$sweep_values" --iters 20 ;;

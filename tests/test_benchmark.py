@@ -2,6 +2,7 @@
 campaign (tiny preset) feeds most tests: its wiring is checked before a GPU is lent."""
 import gzip
 import json
+import math
 import os
 import signal
 import subprocess
@@ -13,7 +14,9 @@ import torch
 
 import benchmark
 import data
-from model import PRESETS
+import diffusion
+import train
+from model import PRESETS, get_config
 from helpers import NO_DIFFUSERS
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
@@ -26,8 +29,8 @@ def campaign(tmp_path_factory, root):
     """bash scripts/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
     form; two parts at a time, one thread each (their timings mean nothing on a CPU anyway)."""
     out = tmp_path_factory.mktemp('gpu-out')
-    lanes = [['ladder', 'quality', 'autotune', 'graphs', 'small', 'gputests'],
-             ['profile', 'headline', 'loaders', 'sweep']]
+    lanes = [['ladder', 'quality', 'autotune', 'graphs', 'small'],
+             ['gputests', 'profile', 'headline', 'loaders', 'sweep']]  # gputests: Inductor compiles, minutes
     assert sorted(sum(lanes, [])) == sorted(PARTS)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash scripts/measure_gpu.sh {part} {out} --quick'
@@ -68,7 +71,8 @@ def test_ladder_rows(campaign):
     names = [row['name'] for row in result['rows']]
     assert names == result['rows_planned'] and not any('max-autotune' in n for n in names)
     measured = [row for row in result['rows'] if 'img_per_s' in row]
-    assert len(measured) >= 7  # every default-compile row a CPU can run (FFCV only where installed)
+    assert len(measured) >= 8  # every default-compile row a CPU can run (FFCV only where installed)
+    assert not any('reduce-overhead' in n for n in names)  # a CUDA graphs row: the graphs part's
     for row in measured:
         assert ROW_FIELDS <= set(row)
         assert row['img_per_s'] == pytest.approx(row['batch_size'] / row['ms_per_iter'] * 1e3)
@@ -79,27 +83,102 @@ def test_ladder_rows(campaign):
     settings = {row['name']: row['settings'] for row in result['rows']}
     fused = settings['Fused Adam']  # the settings accumulate: each row keeps the changes above it
     assert fused['compile'] and fused['attention'] == 'sdpa' and fused['amp'] == 'bf16' and fused['channels_last']
-    for part, row in [('autotune', 'compile max-autotune (no CUDA graphs)'),
-                      ('graphs', 'compile max-autotune + CUDA graphs')]:
+    for part, planned in [('autotune', ['compile max-autotune (no CUDA graphs)']),
+                          ('graphs', ['compile reduce-overhead (CUDA graphs)', 'compile max-autotune + CUDA graphs'])]:
         rows = load(campaign, part)['rows']
-        assert rows[0]['name'].startswith('Baseline') and rows[1]['name'] == row and len(rows) == 2
-        assert 'CUDA' in rows[1]['skipped']  # a GPU mode, with the reason
+        assert rows[0]['name'].startswith('Baseline') and [r['name'] for r in rows[1:]] == planned
+        assert all('CUDA' in r['skipped'] for r in rows[1:])  # GPU modes, with the reason
 
 
 @pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
-def test_headline_peer_is_timed_beside_our_fastest_row(campaign):
+def test_headline_peers_are_timed_beside_our_fastest_row(campaign):
     pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     result = load(campaign, 'headline')
     assert [r['name'].split(' ')[0] for r in result['rows']] == ['Baseline', 'Device-resident']
-    peer = result['peer']
     fastest = max((r for r in result['rows'] if 'img_per_s' in r), key=lambda r: r['img_per_s'])
-    assert peer['ours'] == fastest['name'] and peer['img_per_s'] > 0
-    assert peer['ours_first']['img_per_s'] == fastest['img_per_s']
-    assert peer['ratio'] == pytest.approx(peer['ours_again']['img_per_s'] / peer['img_per_s'])
-    assert peer['ratio_first_timing'] == pytest.approx(fastest['img_per_s'] / peer['img_per_s'])
-    assert 'timed again right after the peer' in (campaign / 'headline.md').read_text()
+    markdown = (campaign / 'headline.md').read_text()
+    for key, kind in (('peer', 'model'), ('recipe', 'recipe')):  # the same network in our loop; diffusers' loop
+        peer = result[key]
+        assert peer['kind'] == kind and peer['ours'] == fastest['name'] and peer['img_per_s'] > 0
+        assert peer['batch_size'] == fastest['batch_size'] and peer['precision'] == fastest['precision']
+        assert peer['ours_first']['img_per_s'] == fastest['img_per_s']
+        assert peer['ratio'] == pytest.approx(peer['ours_again']['img_per_s'] / peer['img_per_s'])
+        assert peer['ratio_first_timing'] == pytest.approx(fastest['img_per_s'] / peer['img_per_s'])
+        assert f'timed again right after the {kind} peer' in markdown and f"| {peer['name']} |" in markdown
+    assert result['recipe']['settings']['lr'] == 1e-4 and 'train_unconditional.py' in result['recipe']['name']
     # The peer is the same function (tests/test_reference_unet.py), built by model.diffusers_config.
     assert isinstance(benchmark.DiffusersUNet(PRESETS['tiny']).unet, __import__('diffusers').UNet2DModel)
+
+
+def test_the_recipe_step_is_the_diffusers_examples_step():
+    # The system peer's step against the same step written with diffusers' objects directly, in
+    # the order of examples/unconditional_image_generation/train_unconditional.py, with its
+    # defaults: 3 steps, bf16 autocast, bit for bit (loss, weights, EMA, learning rate).
+    pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
+    import copy
+    from diffusers import DDPMScheduler, UNet2DModel
+    from diffusers.optimization import get_scheduler
+    from diffusers.training_utils import EMAModel
+    cpu = torch.device('cpu')
+    torch.manual_seed(0)
+    parts = benchmark.recipe_parts(get_config('tiny', image_size=16), cpu, steps_per_epoch=10)
+    unet = copy.deepcopy(parts['unet'])
+    assert isinstance(unet, UNet2DModel)
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
+    lr_scheduler = get_scheduler('cosine', optimizer=optimizer, num_warmup_steps=500, num_training_steps=10 * 100)
+    ema = EMAModel(unet.parameters(), decay=0.9999, use_ema_warmup=True, inv_gamma=1.0, power=3 / 4)
+    noise_scheduler = DDPMScheduler(num_train_timesteps=1000)
+    clean_images = torch.rand(4, 3, 16, 16) * 2 - 1
+    for step in range(3):
+        state = torch.get_rng_state()
+        loss = benchmark.recipe_step(parts, clean_images, 'bf16')
+        torch.set_rng_state(state)
+        noise = torch.randn(clean_images.shape)
+        timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (4,)).long()
+        noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            model_output = unet(noisy_images, timesteps).sample
+        expected = torch.nn.functional.mse_loss(model_output.float(), noise.float())
+        expected.backward()
+        torch.nn.utils.clip_grad_norm_(unet.parameters(), 1.0)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        ema.step(unet.parameters())
+        assert torch.equal(loss, expected.detach()), step
+    for ours, theirs in [(parts['unet'].parameters(), unet.parameters()),
+                         (parts['ema'].shadow_params, ema.shadow_params)]:
+        assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
+    assert parts['ema'].cur_decay_value == ema.cur_decay_value > 0
+    assert parts['lr_scheduler'].get_last_lr() == lr_scheduler.get_last_lr() == [1e-4 * 3 / 500]
+    assert not torch.equal(parts['unet'].conv_out.weight, benchmark.recipe_parts(
+        get_config('tiny', image_size=16), cpu, 10)['unet'].conv_out.weight)  # the steps moved the weights
+
+
+def test_the_recipe_trains_from_the_images_as_files(tmp_path):
+    # The system peer's data: the benchmark's images written once as PNG files, read back by
+    # torchvision's ImageFolder and the example's transforms: every batch image is a source
+    # image, maybe mirrored, in [-1, 1]; every image once per epoch.
+    images = data.make_shapes(12, 16)
+    bench = benchmark.BenchConfig(data_dir=str(tmp_path), image_size=16)
+    folder = benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images))
+    assert sorted(os.listdir(folder)) == ['images'] and len(os.listdir(os.path.join(folder, 'images'))) == 12
+    written = os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns
+    assert benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images)) == folder
+    assert os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns == written  # written once
+    loader = benchmark.recipe_loader(folder, 16, 4, num_workers=0)
+    mirrored = 0
+    for epoch in range(3):
+        seen = []
+        for batch, _ in loader:
+            for image in batch:
+                pixels = ((image + 1) * 127.5).round().to(torch.uint8)
+                (match,) = [i for i in range(12) if torch.equal(pixels, images[i])
+                            or torch.equal(pixels.flip(-1), images[i])][:1]
+                seen.append(match)
+                mirrored += not torch.equal(pixels, images[match])
+        assert sorted(seen) == list(range(12))
+    assert 0 < mirrored < 36  # the random flip
 
 
 @pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
@@ -124,6 +203,8 @@ def test_profile_and_sampling(campaign):
 def test_gputests_part_logs_a_training_run(campaign):
     rows = [json.loads(line) for line in (campaign / 'gputests-train-metrics.jsonl').read_text().splitlines()]
     assert rows[0]['config']['preset'] == 'tiny' and [r['step'] for r in rows[1:]] == [3, 6]
+    assert rows[0]['config']['compile']  # Inductor compiled train.py's step: the real compiler, on a CPU
+    assert all(math.isfinite(r['loss']) for r in rows[1:])
     assert 'skipped' in (campaign / 'gputests.log').read_text()  # tests/test_gpu.py needs CUDA
 
 
@@ -159,9 +240,50 @@ def test_a_ladder_killed_mid_way_keeps_its_finished_rows(tmp_path, root):
     process.send_signal(signal.SIGKILL)
     process.wait()
     result = json.loads(report.read_text())  # written by a rename: never half a file
-    assert not result['complete'] and len(result['rows_planned']) == 11
-    assert 2 <= len(result['rows']) < 11 and result['rows'][0]['img_per_s'] > 0
+    assert not result['complete'] and len(result['rows_planned']) == 13
+    assert 2 <= len(result['rows']) < 13 and result['rows'][0]['img_per_s'] > 0
     assert '(incomplete' in (out / 'killed.md').read_text()
+
+
+def test_a_part_cut_at_its_limit_keeps_its_rows_and_says_so(tmp_path, root):
+    # Every part of measure_gpu.sh runs under `timeout $PART_LIMIT`: a command that must end inside
+    # a fixed limit ends with the rows it finished, exit 0, and a line saying it was cut.
+    out = tmp_path / 'out'
+    result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'ladder', str(out), '--quick'], cwd=root,
+                            env={**os.environ, 'PART_LIMIT': '10', 'OMP_NUM_THREADS': '1'}, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert 'cut at 10 s: ladder.json keeps the rows finished before' in (out / 'ladder.log').read_text()
+    ladder = load(out, 'ladder')
+    assert not ladder['complete'] and 1 <= len(ladder['rows']) < len(ladder['rows_planned'])
+
+
+def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
+    # 'torch.compile (the network)' compiles the UNet inside an eager loss; the next row and
+    # train.py compile the whole loss in one graph. --quick on a CPU: the eager backend, unless
+    # --compile-backend says otherwise.
+    cpu = torch.device('cpu')
+    calls = []
+    monkeypatch.setattr(torch, 'compile', lambda function, **options: calls.append((function, options)) or function)
+    dataset = data.ImageTensorDataset(data.make_shapes(64, 16))
+    for backend, expected in (('auto', {'backend': 'eager'}), ('inductor', {})):
+        bench = benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16, batch_size=4,
+                                      big_batch=8, compile_backend=backend)
+        network_row, loss_row = [r for r in benchmark.ladder(bench, cpu) if r.compile][:2]
+        assert (network_row.compile_scope, loss_row.compile_scope) == ('model', 'loss')
+        for row in (network_row, loss_row):
+            cfg = benchmark.row_train_config(row, bench, cpu, 'shapes')
+            run = benchmark.build_row_run(cfg, bench, cpu, dataset, compile_scope=row.compile_scope)
+            function, options = calls[-1]
+            if row is network_row:
+                assert function is run.model and options == {'mode': None, **expected}
+            else:
+                assert function is run.loss and options == {'fullgraph': True, 'mode': None, **expected}
+            x0 = next(train.batches(run, 0))
+            torch.manual_seed(0)
+            loss = run.loss(x0)
+            torch.manual_seed(0)
+            assert torch.equal(loss, diffusion.training_loss(run.model, run.sched, x0))
 
 
 def test_a_failing_row_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):

@@ -28,15 +28,16 @@ def test_fast_path_defaults_on_cuda(tmp_path):
     assert settings == ('bf16', True, True, True, 'gpu')
 
 
-def test_hot_loop_does_not_synchronise(tmp_path):
-    run = gpu_run(tmp_path, compile=False)  # compiling may sync; the steady state must not
+@pytest.mark.parametrize('compile', [False, True])
+def test_hot_loop_does_not_synchronise(tmp_path, compile):
+    run = gpu_run(tmp_path, compile=compile)  # compiling may sync; the steady state must not
     stream = train.batches(run, 0)
     for step in range(3):
         train.train_step(run, next(stream), step)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode('error')
     try:
-        for step in range(3, 6):  # within the first epoch: no per-epoch order upload
+        for step in range(3, 12):  # into the second epoch (8 batches each): its order goes up pinned, async
             train.train_step(run, next(stream), step)
     finally:
         torch.cuda.set_sync_debug_mode('default')

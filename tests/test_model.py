@@ -64,6 +64,44 @@ def test_sdpa_and_manual_attention_agree(heads):
     assert a.abs().max() > 0.1  # the perturbation made the output non-trivial
 
 
+def _attention_by_hand(block, x):
+    """softmax(q k^T / sqrt(d)) v per head, written out in float64 from the block's weights."""
+    B, C, H, W = x.shape
+    heads = block.num_heads
+    h = block.norm.double()(x.double()).flatten(2)  # (B, C, HW)
+    weight, bias = block.qkv.weight.double()[:, :, 0, 0], block.qkv.bias.double()
+    q, k, v = (torch.einsum('oc,bcn->bon', w, h) + b[:, None] for w, b in zip(weight.chunk(3), bias.chunk(3)))
+    q, k, v = (t.unflatten(1, (heads, C // heads)) for t in (q, k, v))  # (B, heads, d, HW)
+    weights = torch.einsum('bhdn,bhdm->bhnm', q, k).mul((C // heads) ** -0.5).softmax(-1)
+    out = torch.einsum('bhnm,bhdm->bhdn', weights, v).reshape(B, C, H, W)
+    block.norm.float()
+    return x.double() + torch.nn.functional.conv2d(out, block.proj.weight.double(), block.proj.bias.double())
+
+
+@pytest.mark.parametrize('heads', [1, 2])
+@pytest.mark.parametrize('memory_format', [torch.contiguous_format, torch.channels_last])
+def test_attention_runs_on_the_fused_kernel_in_both_layouts(heads, memory_format):
+    # Fused SDPA kernels need q, k and v with a unit last stride; flash is the CPU's fused one.
+    # Restricted to it, the block must run in NCHW and NHWC, equal the math kernel and the
+    # closed form, and keep the layout it was given.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    torch.manual_seed(0)
+    block = _perturbed(AttnBlock(32, heads, 8, 'sdpa')).eval()
+    x = torch.randn(2, 32, 8, 8).contiguous(memory_format=memory_format)
+    layouts = []  # the attention's output reaches the projection in the input's layout: no transposing copy
+    block.proj.register_forward_pre_hook(lambda _, args: layouts.append(args[0].is_contiguous(
+        memory_format=memory_format)))
+    with torch.no_grad():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            fused = block(x)
+        with sdpa_kernel(SDPBackend.MATH):
+            math = block(x)
+        expected = _attention_by_hand(block, x)
+    assert torch.allclose(fused, math, atol=1e-5) and torch.allclose(fused.double(), expected, atol=1e-5)
+    assert (fused - x).abs().max() > 0.1  # the attention contributes
+    assert fused.is_contiguous(memory_format=memory_format) and all(layouts)
+
+
 def test_attention_changes_output_when_perturbed():
     # Guards the test above: the attention block must contribute to the output.
     torch.manual_seed(0)
@@ -138,11 +176,13 @@ def test_dropout_out_of_range_is_rejected():
 
 
 def test_flops_same_for_sdpa_and_manual_attention():
-    # count_flops uses the manual path; SDPA's flop formula must give the same total on CPU.
+    # count_flops uses the manual path; SDPA's flop formula must give the same total on CPU. The
+    # math kernel: FlopCounterMode has no formula for the CPU's flash kernel (it counts it as 0).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
     config = PRESETS['tiny']
     model = UNet(config)
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
         model(torch.randn(2, 3, 32, 32), torch.zeros(2, dtype=torch.long))
     assert counter.get_total_flops() / 2 == count_flops(config)['forward']
 

@@ -62,6 +62,9 @@ def test_same_function_as_diffusers_in_float64(preset):
     # The timestep matters in both (the embedding and every block's projection are used).
     with torch.no_grad():
         assert (ours(x, t.flip(0)) - a).abs().max() > 1e-3
+        # Channels-last (attention without its layout copy) is the same function.
+        nhwc = ours.to(memory_format=torch.channels_last)(x.contiguous(memory_format=torch.channels_last), t)
+    assert (nhwc - b).abs().max() <= 1e-12 * a.abs().max()
 
 
 def test_dropout_where_diffusers_has_it(monkeypatch):
