@@ -334,6 +334,25 @@ def disk_full_error(path: str, error: Exception) -> OSError:
     return OSError(code, f'writing {path} failed ({brief(error, 200)}); {room}')
 
 
+def _finite(value):
+    """NaN and infinities as null: JSON has no literal for them (Python's NaN would not parse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _step_of(line: str) -> float:
+    """A log line's step (0 for rows without one); a line that does not parse is a torn write."""
+    try:
+        return json.loads(line).get('step', 0)
+    except (json.JSONDecodeError, AttributeError):
+        return math.inf
+
+
 class JsonLines:
     """A log of one JSON object per line, appended to `path`; with `tensorboard_dir`, every number
     of a row that has a 'kind' and 'images_seen' also goes to TensorBoard as KIND/NAME, at the
@@ -347,12 +366,25 @@ class JsonLines:
 
     def write(self, row: dict):
         with open(self.path, 'a') as f:
-            f.write(json.dumps(row) + '\n')
+            f.write(json.dumps(_finite(row), allow_nan=False) + '\n')
         if self.tensorboard is not None and 'kind' in row and 'images_seen' in row:
             for key, value in row.items():
                 if isinstance(value, (int, float)) and not isinstance(value, bool) and key != 'images_seen':
                     self.tensorboard.add_scalar(f"{row['kind']}/{key}", value, row['images_seen'])
             self.tensorboard.flush()
+
+    def drop_after(self, step: int):
+        """Removes the rows of steps past `step` (those a killed run logged after its last
+        checkpoint: the resumed run logs them again), so that the log has each step once, and a
+        last line cut short by the kill."""
+        if not os.path.isfile(self.path):
+            return
+        with open(self.path) as f:
+            lines = f.readlines()
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) < len(lines):
+            with atomic_open(self.path) as f:
+                f.writelines(kept)
 
     def image(self, tag: str, png_path: str, images_seen: int):
         if self.tensorboard is not None:

@@ -588,6 +588,7 @@ class Metrics:
         self.last, self.grids, self.curves_drawn = {}, [], 0.0
         self.out = JsonLines(self.path, cfg.tensorboard and os.path.join(cfg.out_dir, 'tb')) if self.active else None
         if self.active:
+            self.out.drop_after(step)  # a killed run's rows past its last checkpoint
             self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
                         'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
                         'device': str(run.device), 'data': run.data_identity})

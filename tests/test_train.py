@@ -569,6 +569,34 @@ def test_resume_auto_starts_fresh_then_continues_exactly(tmp_path):
     assert torch.equal(load_ckpt(tmp_path / 'auto')['model']['conv_out.weight'], whole['model']['conv_out.weight'])
 
 
+def test_a_run_killed_after_logging_past_its_checkpoint_logs_each_step_once(tmp_path):
+    # kill -9 between a log row and the next checkpoint: the resumed run repeats those steps, and
+    # metrics.jsonl must not hold them twice (curves would double back). Emulated by putting back
+    # the step-2 checkpoint after a run logged steps 3 and 4.
+    common = ['--sample-every', '0', '--log-every', '1']
+    assert run(tmp_path, '--steps', '2', *common) == 0
+    step2 = (tmp_path / 'run' / 'ckpt.pt').read_bytes()
+    assert run(tmp_path, '--steps', '4', *common, '--resume', 'auto') == 0
+    killed = [r for r in metrics(tmp_path) if r.get('kind') == 'train']
+    (tmp_path / 'run' / 'ckpt.pt').write_bytes(step2)
+    with open(tmp_path / 'run' / 'metrics.jsonl', 'a') as f:
+        f.write('{"kind": "train", "step": 5, "lo')  # and a row cut short by the kill
+    assert run(tmp_path, '--steps', '4', *common, '--resume', 'auto') == 0
+    rows = metrics(tmp_path)
+    assert [r['step'] for r in rows if r.get('kind') == 'train'] == [1, 2, 3, 4]
+    assert [r['start_step'] for r in rows if 'config' in r] == [0, 2, 2]  # every start stays on record
+    resumed = [r for r in rows if r.get('kind') == 'train'][2:]
+    assert [r['loss'] for r in resumed] == [r['loss'] for r in killed[2:]]  # the same steps, exactly
+
+
+def test_metrics_rows_are_strict_json(tmp_path):
+    log = cli.JsonLines(str(tmp_path / 'm.jsonl'))
+    log.write({'kind': 'eval', 'step': 1, 'bpd': 3.5, 'bpd_stderr': float('nan'), 'fid': [float('inf'), 1.0]})
+    text = (tmp_path / 'm.jsonl').read_text()
+    assert json.loads(text, parse_constant=lambda name: pytest.fail(f'{name} is not JSON')) == {
+        'kind': 'eval', 'step': 1, 'bpd': 3.5, 'bpd_stderr': None, 'fid': [None, 1.0]}
+
+
 def test_stale_temporary_checkpoint_is_removed(tmp_path, capsys):
     assert run(tmp_path, '--steps', '2', '--sample-every', '0') == 0
     (tmp_path / 'run' / 'ckpt.pt.tmp').write_bytes(b'half a checkpoint')
