@@ -52,7 +52,8 @@ class BenchConfig:
     image_size: int = flag(32, 'image resolution')
     dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10 or shapes',
                          choices=('auto', 'cifar10', 'shapes'))
-    data_dir: str = flag('./data', 'where CIFAR-10 is looked for')
+    data_dir: str = flag('./data', 'where CIFAR-10 is looked for; the FFCV rows and the recipe peer write their copies '
+                                   'of the images there once (a .beton file, a folder of PNG files)')
     num_images: int = flag(50000, 'images in the shapes set (CIFAR-10 has 50000)', at_least=1)
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
     batch_size: int = flag(128, 'batch size of the baseline row (the paper\'s)', at_least=1)
@@ -364,15 +365,18 @@ def beside_ours(result: dict, best: Row, best_result: dict, bench, device, datas
 # ----------------------------------------------------------------------------- the system peer
 
 # diffusers' unconditional training example (examples/unconditional_image_generation/
-# train_unconditional.py): its defaults, as a user who runs it gets them.
+# train_unconditional.py) as its README runs it (--center_crop --random_flip --use_ema) with its
+# default hyperparameters; the worker count and the precision are ours (--num-workers, the fastest
+# row's), since its defaults (0 workers, fp32) would only flatter us.
 RECIPE = {'lr': 1e-4, 'betas': (0.95, 0.999), 'weight_decay': 1e-6, 'eps': 1e-8, 'lr_schedule': 'cosine',
           'lr_warmup_steps': 500, 'epochs': 100, 'grad_clip': 1.0, 'ema_max_decay': 0.9999, 'ema_inv_gamma': 1.0,
-          'ema_power': 3 / 4}
+          'ema_power': 3 / 4, 'center_crop': True, 'random_flip': True}
 
 
-def recipe_parts(config, device: torch.device, steps_per_epoch: int) -> dict:
+def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str) -> dict:
     """The example's objects around our network's function (model.diffusers_config): UNet2DModel,
-    DDPMScheduler, AdamW, the cosine schedule with warm-up, EMAModel with its warm-up."""
+    DDPMScheduler, AdamW, the cosine schedule with warm-up, EMAModel with its warm-up, and the
+    grad scaler that accelerate's fp16 uses (a no-op otherwise)."""
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
@@ -384,30 +388,38 @@ def recipe_parts(config, device: torch.device, steps_per_epoch: int) -> dict:
                    model_config=unet.config)
     ema.to(device)
     return {'unet': unet, 'noise_scheduler': DDPMScheduler(num_train_timesteps=train.NUM_TIMESTEPS),
-            'optimizer': optimizer, 'ema': ema, 'device': device,
+            'optimizer': optimizer, 'ema': ema, 'device': device, 'amp': amp,
+            'scaler': torch.amp.GradScaler(device.type, enabled=amp == 'fp16'),
             'lr_scheduler': get_scheduler(RECIPE['lr_schedule'], optimizer=optimizer,
                                           num_warmup_steps=RECIPE['lr_warmup_steps'],
                                           num_training_steps=steps_per_epoch * RECIPE['epochs'])}
 
 
-def recipe_step(parts: dict, clean_images: torch.Tensor, amp: str) -> torch.Tensor:
-    """One iteration of the example's loop: the batch to the device, noise, timesteps, add_noise,
-    the UNet under autocast (accelerate's mixed precision), MSE in fp32, backward, clipping,
-    AdamW, the lr schedule, zero_grad, the EMA."""
-    unet, noise_scheduler, device = parts['unet'], parts['noise_scheduler'], parts['device']
-    clean_images = clean_images.to(device)
-    noise = torch.randn(clean_images.shape, device=device)
+def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:
+    """One iteration of the example's loop: the batch to the device in the weight dtype, noise,
+    timesteps, add_noise, the UNet under autocast (accelerate's mixed precision), MSE in fp32,
+    backward, clipping, AdamW, the lr schedule, zero_grad, the EMA, and the step's log values
+    (loss.item(): the host waits for the step, as the example's progress bar does). Its tqdm and
+    tracker calls are left out."""
+    unet, noise_scheduler, device, scaler = parts['unet'], parts['noise_scheduler'], parts['device'], parts['scaler']
+    weight_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(parts['amp'], torch.float32)
+    clean_images = clean_images.to(device, weight_dtype)
+    noise = torch.randn(clean_images.shape, dtype=weight_dtype, device=device)
     timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],), device=device)
     noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
-    with autocast(amp, device):
+    with autocast(parts['amp'], device):
         model_output = unet(noisy_images, timesteps).sample
     loss = torch.nn.functional.mse_loss(model_output.float(), noise.float())
-    loss.backward()
+    scaler.scale(loss).backward()
+    scaler.unscale_(parts['optimizer'])
     torch.nn.utils.clip_grad_norm_(unet.parameters(), RECIPE['grad_clip'])
-    parts['optimizer'].step()
+    scaler.step(parts['optimizer'])
+    scaler.update()
     parts['lr_scheduler'].step()
     parts['optimizer'].zero_grad()
     parts['ema'].step(unet.parameters())
+    parts['logs'] = {'loss': loss.detach().item(), 'lr': parts['lr_scheduler'].get_last_lr()[0],
+                     'ema_decay': parts['ema'].cur_decay_value}
     return loss.detach()
 
 
@@ -431,19 +443,34 @@ def recipe_batches(loader):
 
 def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
     """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder
-    reads) next to the data, written once: what the example trains from."""
+    reads) next to the data, written once: what the example trains from. Each writer fills its own
+    temporary folder and renames it into place, so that two benchmarks on one --data-dir, or one
+    killed mid-way, never leave a folder with some of the images; one that holds another count is
+    written anew."""
+    import shutil
+    import tempfile
+    from torchvision.io import write_png
     folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
-    if not os.path.isdir(folder):
-        print(f'writing {folder} for the diffusers recipe row ...', flush=True)
-        import shutil
-        from torchvision.io import write_png
-        partial = folder + '.partial'
-        shutil.rmtree(partial, ignore_errors=True)
+    if _png_count(folder) == len(dataset):
+        return folder
+    print(f'writing {folder} for the diffusers recipe row ...', flush=True)
+    os.makedirs(bench.data_dir, exist_ok=True)
+    partial = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.partial-')
+    try:
         os.makedirs(os.path.join(partial, 'images'))
         for index in range(len(dataset)):
             write_png(dataset[index], os.path.join(partial, 'images', f'{index:06d}.png'))
-        os.replace(partial, folder)  # whole or not at all
+        if _png_count(folder) != len(dataset):  # another writer may have finished first
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
     return folder
+
+
+def _png_count(folder: str) -> int:
+    images = os.path.join(folder, 'images')
+    return len(os.listdir(images)) if os.path.isdir(images) else -1
 
 
 def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
@@ -461,9 +488,10 @@ def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset
         folder = image_folder_for(bench, dataset_name, dataset)
         loader = recipe_loader(folder, bench.image_size, best.batch_size, bench.num_workers)
         torch.manual_seed(bench.seed)
-        parts = recipe_parts(get_config(bench.preset, image_size=bench.image_size), device, len(loader))
+        parts = recipe_parts(get_config(bench.preset, image_size=bench.image_size), device, len(loader),
+                             row_cfg.amp)
         stream = recipe_batches(loader)
-        result = describe(time_iterations(lambda step: recipe_step(parts, next(stream), row_cfg.amp), device, bench),
+        result = describe(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench),
                           row_cfg, bench, device, flops)
     except torch.cuda.OutOfMemoryError as error:
         return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
@@ -538,7 +566,8 @@ def summary_lines(meta: dict, rows: list, peers: list) -> str:
              f"{flops['torchinfo_train'] / 1e9:.2f} GFLOP (the reference table's method, no attention). TFLOP/s and "
              f"MFU below use the first."]
     what = {'model': 'UNet2DModel (the same function) under the same settings',
-            'recipe': 'training recipe (its loop, data path and settings, eager, the same network and images)'}
+            'recipe': 'training recipe (its loop and data path from PNG files, eager; the same network, images, '
+                      'batch size and precision)'}
     for peer in peers:
         if peer.get('ratio'):
             again = peer['ours_again']

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU measurements, as parts that each end inside 10 minutes on one H100 by construction
-# (every benchmark runs under `timeout $PART_LIMIT`, 540 s unless set, and its JSON is rewritten
-# after every row, so a part cut short keeps the rows it finished and says so in its log) and
+# (every benchmark runs under `timeout $PART_LIMIT`, 540 s unless set (1800 s in the --quick CPU
+# form, which checks the wiring on a loaded CI machine, not time), and its JSON is rewritten
+# after every row in the ladder modes, so a part cut short keeps the rows it finished and says so in
+# its log; a mode that writes at the end says that nothing was measured) and
 # leave at most 8 files (no checkpoints) in the output folder. Run from the repository root:
 #
 #   bash scripts/measure_gpu.sh PART OUT_DIR            # on the GPU machine
@@ -44,6 +46,7 @@ if [ "$quick" = "--quick" ]; then
   preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
   sweep_values=4,8,16
   train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
+  limit=${PART_LIMIT:-1800}  # a loaded 2-core CI machine: the CPU form checks wiring, not time
 else
   [ -z "$quick" ] || { echo "$usage" >&2; exit 2; }
   for pin in "${PINNED[@]}"; do
@@ -67,6 +70,7 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
   preset=ddpm-cifar10; small_preset=small; small_rows=$DEFAULT_ROWS
   sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
+  limit=${PART_LIMIT:-540}
 fi
 
 environment() {  # what ran it
@@ -77,13 +81,23 @@ v = runpy.run_path(os.path.join(os.path.dirname(importlib.util.find_spec('torch'
 print('torch', v['__version__'], 'cuda', v['cuda'])"; } > "$out/$1-environment.txt"
 }
 
-PART_LIMIT=${PART_LIMIT:-540}
-bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log
-  local log=$out/$1.log stem=$2 status=0; shift 2
-  timeout --kill-after=15 "$PART_LIMIT" python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" \
+[[ "$limit" =~ ^[0-9]+$ ]] || { echo "error: PART_LIMIT must be whole seconds, not '$limit'" >&2; exit 2; }
+
+cut() {  # cut LOG STATUS SECONDS WHAT: the line a command ended by its time limit leaves in its log
+  echo "cut at $3 s (exit $2: the time limit, or a kill): $4" | tee -a "$1"
+}
+
+bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log;
+           # at most $budget seconds (default: the part's limit)
+  local log=$out/$1.log stem=$2 seconds=${budget:-$limit} status=0; shift 2
+  timeout --kill-after=15 "$seconds" python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" \
     --stem "$stem" "$@" 2>&1 | tee -a "$log" || status=$?
   if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-    echo "cut at ${PART_LIMIT} s: $stem.json keeps the rows finished before (\"complete\": false)" | tee -a "$log"
+    if [ -f "$out/$stem.json" ]; then  # the ladder's modes rewrite it after every row
+      cut "$log" "$status" "$seconds" "$stem.json holds the rows finished before (\"complete\": false)"
+    else
+      cut "$log" "$status" "$seconds" "before $stem.json was written: nothing measured"
+    fi
   elif [ "$status" != 0 ]; then
     exit "$status"
   fi
@@ -94,14 +108,25 @@ run_part() {
   case "$1" in
     headline) bench headline headline --rows "Baseline,resident data" --no-sampling ;;
     ladder)   bench ladder ladder --rows "$DEFAULT_ROWS" --no-peer --no-sampling --iters 20 --warmup 5 ;;
-    profile)  bench profile profile --profile
-              gzip -c "$out/traces/profile.json" > "$out/profile-trace.json.gz" && rm -r "$out/traces"
-              bench profile sampling --sampling-only ;;
-    gputests) { timeout 300 python3 -m pytest -q tests/test_gpu.py || echo "GPU tests failed"; } 2>&1 \
-                | tee "$out/gputests.log"
-              timeout 240 python3 train.py "${train_flags[@]}" --dataset shapes --shapes-count 4096 --sample-every 0 \
-                --out-dir "$scratch/train" 2>&1 | tee -a "$out/gputests.log"
-              cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl" ;;
+    profile)  budget=$((limit * 2 / 3)) bench profile profile --profile
+              if [ -f "$out/traces/profile.json" ]; then
+                gzip -c "$out/traces/profile.json" > "$out/profile-trace.json.gz"
+              fi
+              rm -rf "$out/traces"
+              budget=$((limit / 3)) bench profile sampling --sampling-only ;;
+    gputests) local status=0 log=$out/gputests.log
+              { timeout --kill-after=15 $((limit * 5 / 9)) python3 -m pytest -q tests/test_gpu.py \
+                  || echo "tests/test_gpu.py: exit $? (a failure, or cut at $((limit * 5 / 9)) s)"; } 2>&1 | tee "$log"
+              timeout --kill-after=15 $((limit * 4 / 9)) python3 train.py "${train_flags[@]}" --dataset shapes \
+                --shapes-count 4096 --sample-every 0 --out-dir "$scratch/train" 2>&1 | tee -a "$log" || status=$?
+              if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+                cut "$log" "$status" $((limit * 4 / 9)) "train.py's metrics so far are kept"
+              elif [ "$status" != 0 ]; then
+                exit "$status"
+              fi
+              if [ -f "$scratch/train/metrics.jsonl" ]; then
+                cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl"
+              fi ;;
     autotune) bench autotune autotune --rows "Baseline,no CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     graphs)   bench graphs graphs --rows "Baseline,reduce-overhead,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     quality)  bench quality quality --quality --steps 600 ;;
