@@ -309,7 +309,7 @@ def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
     dataset = data.ImageTensorDataset(data.make_shapes(64, 16))
     for backend, expected in (('auto', {'backend': 'eager'}), ('inductor', {})):
         bench = benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16, batch_size=4,
-                                      big_batch=8, compile_backend=backend)
+                                      big_batch=8, compile_backend=backend, num_workers=0)
         network_row, loss_row = [r for r in benchmark.ladder(bench, cpu) if r.compile][:2]
         assert (network_row.compile_scope, loss_row.compile_scope) == ('model', 'loss')
         for row in (network_row, loss_row):
