@@ -400,7 +400,8 @@ def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:
     timesteps, add_noise, the UNet under autocast (accelerate's mixed precision), MSE in fp32,
     backward, clipping, AdamW, the lr schedule, zero_grad, the EMA, and the step's log values
     (loss.item(): the host waits for the step, as the example's progress bar does). Its tqdm and
-    tracker calls are left out."""
+    tracker calls are left out; under fp16 accelerate also skips the lr step when the scaler skips
+    the optimizer's (the first few steps only)."""
     unet, noise_scheduler, device, scaler = parts['unet'], parts['noise_scheduler'], parts['device'], parts['scaler']
     weight_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(parts['amp'], torch.float32)
     clean_images = clean_images.to(device, weight_dtype)
@@ -443,34 +444,43 @@ def recipe_batches(loader):
 
 def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
     """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder
-    reads) next to the data, written once: what the example trains from. Each writer fills its own
-    temporary folder and renames it into place, so that two benchmarks on one --data-dir, or one
-    killed mid-way, never leave a folder with some of the images; one that holds another count is
-    written anew."""
+    reads) next to the data, written once: what the example trains from. One writer at a time
+    (a lock file beside it; the others wait, then find it written); it fills a temporary folder
+    and renames it into place, so that a killed writer never leaves a folder with some of the
+    images, and a folder with another image count is written anew."""
+    import fcntl
+    import glob
     import shutil
     import tempfile
     from torchvision.io import write_png
     folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
-    if _png_count(folder) == len(dataset):
-        return folder
-    print(f'writing {folder} for the diffusers recipe row ...', flush=True)
     os.makedirs(bench.data_dir, exist_ok=True)
-    partial = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.partial-')
-    try:
-        os.makedirs(os.path.join(partial, 'images'))
-        for index in range(len(dataset)):
-            write_png(dataset[index], os.path.join(partial, 'images', f'{index:06d}.png'))
-        if _png_count(folder) != len(dataset):  # another writer may have finished first
-            shutil.rmtree(folder, ignore_errors=True)
+    with open(folder + '.lock', 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        if _png_count(folder) == len(dataset):
+            return folder
+        print(f'writing {folder} for the diffusers recipe row ...', flush=True)
+        for leftover in glob.glob(folder + '.partial-*') + glob.glob(folder + '.stale-*'):  # killed writers'
+            shutil.rmtree(leftover, ignore_errors=True)
+        partial = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.partial-')
+        try:
+            os.chmod(partial, 0o755)  # mkdtemp's 0700 would lock out other users of the data folder
+            os.makedirs(os.path.join(partial, 'images'))
+            for index in range(len(dataset)):
+                write_png(dataset[index], os.path.join(partial, 'images', f'{index:06d}.png'))
+            if os.path.exists(folder):  # another count: moved aside in one step, then removed
+                stale = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.stale-')
+                os.replace(folder, os.path.join(stale, 'old'))
+                shutil.rmtree(stale, ignore_errors=True)
             os.replace(partial, folder)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
     return folder
 
 
 def _png_count(folder: str) -> int:
     images = os.path.join(folder, 'images')
-    return len(os.listdir(images)) if os.path.isdir(images) else -1
+    return sum(name.endswith('.png') for name in os.listdir(images)) if os.path.isdir(images) else -1
 
 
 def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements, as parts that each end inside 10 minutes on one H100 by construction
-# (every benchmark runs under `timeout $PART_LIMIT`, 540 s unless set (1800 s in the --quick CPU
-# form, which checks the wiring on a loaded CI machine, not time), and its JSON is rewritten
+# (what a part runs is under `timeout`, its commands sharing $PART_LIMIT, 540 s unless set (1800 s
+# in the --quick CPU form, which checks the wiring on a loaded CI machine, not time); JSON is rewritten
 # after every row in the ladder modes, so a part cut short keeps the rows it finished and says so in
 # its log; a mode that writes at the end says that nothing was measured) and
 # leave at most 8 files (no checkpoints) in the output folder. Run from the repository root:
@@ -41,12 +41,18 @@ export PYTHONUNBUFFERED=1
 scratch=$(mktemp -d)  # data, .beton files and training runs: never in the output folder
 trap 'rm -rf "$scratch"' EXIT
 
+limit=${PART_LIMIT:-540}
+if [ "$quick" = "--quick" ]; then
+  limit=${PART_LIMIT:-1800}  # a loaded 2-core CI machine: the CPU form checks wiring, not time
+fi
+[[ "$limit" =~ ^[1-9][0-9]*$ ]] && (( limit >= 3 )) || {
+  echo "error: PART_LIMIT must be whole seconds, at least 3, not '$limit'" >&2; exit 2; }
+
 if [ "$quick" = "--quick" ]; then
   common=(--device cpu --quick --data-dir "$scratch/data")
   preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
   sweep_values=4,8,16
   train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
-  limit=${PART_LIMIT:-1800}  # a loaded 2-core CI machine: the CPU form checks wiring, not time
 else
   [ -z "$quick" ] || { echo "$usage" >&2; exit 2; }
   for pin in "${PINNED[@]}"; do
@@ -70,7 +76,6 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
   preset=ddpm-cifar10; small_preset=small; small_rows=$DEFAULT_ROWS
   sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
-  limit=${PART_LIMIT:-540}
 fi
 
 environment() {  # what ran it
@@ -81,8 +86,6 @@ v = runpy.run_path(os.path.join(os.path.dirname(importlib.util.find_spec('torch'
 print('torch', v['__version__'], 'cuda', v['cuda'])"; } > "$out/$1-environment.txt"
 }
 
-[[ "$limit" =~ ^[0-9]+$ ]] || { echo "error: PART_LIMIT must be whole seconds, not '$limit'" >&2; exit 2; }
-
 cut() {  # cut LOG STATUS SECONDS WHAT: the line a command ended by its time limit leaves in its log
   echo "cut at $3 s (exit $2: the time limit, or a kill): $4" | tee -a "$1"
 }
@@ -90,6 +93,7 @@ cut() {  # cut LOG STATUS SECONDS WHAT: the line a command ended by its time lim
 bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log;
            # at most $budget seconds (default: the part's limit)
   local log=$out/$1.log stem=$2 seconds=${budget:-$limit} status=0; shift 2
+  rm -f "$out/$stem.json" "$out/$stem.md" "$out/$stem.png"  # what is there after the cut is this run's
   timeout --kill-after=15 "$seconds" python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" \
     --stem "$stem" "$@" 2>&1 | tee -a "$log" || status=$?
   if [ "$status" = 124 ] || [ "$status" = 137 ]; then
@@ -119,13 +123,13 @@ run_part() {
                   || echo "tests/test_gpu.py: exit $? (a failure, or cut at $((limit * 5 / 9)) s)"; } 2>&1 | tee "$log"
               timeout --kill-after=15 $((limit * 4 / 9)) python3 train.py "${train_flags[@]}" --dataset shapes \
                 --shapes-count 4096 --sample-every 0 --out-dir "$scratch/train" 2>&1 | tee -a "$log" || status=$?
+              if [ -f "$scratch/train/metrics.jsonl" ]; then
+                cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl"
+              fi
               if [ "$status" = 124 ] || [ "$status" = 137 ]; then
                 cut "$log" "$status" $((limit * 4 / 9)) "train.py's metrics so far are kept"
               elif [ "$status" != 0 ]; then
                 exit "$status"
-              fi
-              if [ -f "$scratch/train/metrics.jsonl" ]; then
-                cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl"
               fi ;;
     autotune) bench autotune autotune --rows "Baseline,no CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     graphs)   bench graphs graphs --rows "Baseline,reduce-overhead,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;

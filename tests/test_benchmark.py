@@ -202,13 +202,40 @@ def test_the_recipe_images_are_written_whole_or_not_at_all(tmp_path, monkeypatch
     monkeypatch.setattr(torchvision.io, 'write_png', dies_after_five)
     with pytest.raises(KeyboardInterrupt):
         benchmark.image_folder_for(bench, 'shapes', images)
-    assert os.listdir(tmp_path) == []  # no folder of five images, no temporary folder left
+    assert os.listdir(tmp_path) == ['bench-shapes-12x16-png.lock']  # no folder of five images, no temporary one
     monkeypatch.setattr(torchvision.io, 'write_png', real)
     (folder / 'images').mkdir(parents=True)  # a folder another writer left with some of the images
     real(images[0], str(folder / 'images' / '000000.png'))
     assert benchmark.image_folder_for(bench, 'shapes', images) == str(folder)
     assert sorted(os.listdir(folder / 'images')) == [f'{i:06d}.png' for i in range(12)]
-    assert os.listdir(tmp_path) == [folder.name]
+    assert sorted(os.listdir(tmp_path)) == [folder.name, folder.name + '.lock']
+    assert oct(os.stat(folder).st_mode & 0o777) == oct(0o755)  # readable by the data folder's other users
+
+
+def test_the_recipe_images_have_one_writer_at_a_time(tmp_path):
+    # Two benchmarks on one --data-dir: one looks at or writes the folder only while it holds the
+    # lock, so a second waits; a killed writer's temporary folder is cleared by the next.
+    import fcntl
+    images = data.ImageTensorDataset(data.make_shapes(12, 16))
+    benchmark.image_folder_for(benchmark.BenchConfig(data_dir=str(tmp_path / 'warm'), image_size=16), 'shapes',
+                               images)  # imports done: what follows is timed
+    bench = benchmark.BenchConfig(data_dir=str(tmp_path), image_size=16)
+    (tmp_path / 'bench-shapes-12x16-png.partial-killed').mkdir()
+    other = subprocess.Popen([sys.executable, '-c', f"""
+import fcntl, sys, time
+lock = open({str(tmp_path / 'bench-shapes-12x16-png.lock')!r}, 'w')
+fcntl.flock(lock, fcntl.LOCK_EX)
+print('locked', flush=True)
+time.sleep(1.5)
+"""], stdout=subprocess.PIPE, text=True)
+    assert other.stdout.readline() == 'locked\n'
+    start = time.time()
+    folder = benchmark.image_folder_for(bench, 'shapes', images)  # waits for the other writer
+    assert time.time() - start > 1 and other.wait() == 0
+    assert len(os.listdir(os.path.join(folder, 'images'))) == 12
+    assert not (tmp_path / 'bench-shapes-12x16-png.partial-killed').exists()
+    with open(folder + '.lock', 'w') as lock:  # released by the writer
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 @pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
@@ -287,16 +314,19 @@ def test_a_part_cut_at_its_limit_keeps_its_rows_and_says_so(tmp_path, root):
             in (out / 'ladder.log').read_text())
     ladder = load(out, 'ladder')
     assert not ladder['complete'] and 1 <= len(ladder['rows']) < len(ladder['rows_planned'])
-    # A mode that writes its JSON only at the end says that nothing was measured.
+    # A mode that writes its JSON only at the end says that nothing was measured, whatever an
+    # earlier run left in the folder.
+    (out / 'quality.json').write_text('{"complete": true}')
     result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'quality', str(out), '--quick'], cwd=root,
                             env={**os.environ, 'PART_LIMIT': '3', 'OMP_NUM_THREADS': '1'}, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and not (out / 'quality.json').exists()
     assert 'cut at 3 s (exit 124: the time limit, or a kill): before quality.json was written: nothing measured' in (
         out / 'quality.log').read_text()
-    result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'ladder', str(out), '--quick'], cwd=root,
-                            env={**os.environ, 'PART_LIMIT': '9m'}, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and "PART_LIMIT must be whole seconds, not '9m'" in result.stderr
+    for bad in ('9m', '0', '2', '08'):  # timeout reads 0 as no limit; bash reads 08 as bad octal
+        result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'ladder', str(out), '--quick'], cwd=root,
+                                env={**os.environ, 'PART_LIMIT': bad}, capture_output=True, text=True, timeout=60)
+        assert result.returncode == 2 and f"PART_LIMIT must be whole seconds, at least 3, not '{bad}'" in result.stderr
 
 
 def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
