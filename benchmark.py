@@ -23,13 +23,17 @@ Compilation is timed separately and kept out of the throughput.
 """
 import dataclasses
 import datetime
+import fcntl
 import functools
+import glob
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import typing
 from dataclasses import asdict, dataclass
@@ -273,24 +277,32 @@ def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_mode
     reason = skip_reason(row, device)
     if reason:
         return {**entry, 'skipped': reason}
-    run = None
-    try:
+
+    def measure():
         row_cfg = row_train_config(row, bench, device, dataset_name)
+        row_data = dataset
         if row.loader == 'ffcv':
-            dataset = beton_for(bench, dataset_name, dataset)
-            row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=dataset.path)
-        run = build_row_run(row_cfg, bench, device, dataset, make_model, row.compile_scope)
+            row_data = beton_for(bench, dataset_name, dataset)
+            row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=row_data.path)
+        run = build_row_run(row_cfg, bench, device, row_data, make_model, row.compile_scope)
         result = describe(time_training(run, bench), row_cfg, bench, device, flops)
+        if row_cfg.compile and compile_backend(bench, device) != 'inductor':
+            result['note'] = f'torch.compile with backend={compile_backend(bench, device)}'
+        return result
+    return measured_or_failed(entry, device, measure)
+
+
+def measured_or_failed(entry: dict, device: torch.device, measure: typing.Callable) -> dict:
+    """{**entry, **measure()}; one that raises (a compile mode, a peer, out of memory) is 'failed'
+    with the reason: it costs its row, not the table. The device's memory is released either way."""
+    try:
+        return {**entry, **measure()}
     except torch.cuda.OutOfMemoryError as error:
         return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
-    except Exception as error:  # a compile mode or a peer that breaks costs its row, not the table
+    except Exception as error:
         return {**entry, 'failed': brief(error, 300)}
     finally:
-        run = None
         release(device)
-    if row_cfg.compile and compile_backend(bench, device) != 'inductor':
-        result['note'] = f'torch.compile with backend={compile_backend(bench, device)}'
-    return {**entry, **result}
 
 
 def row_line(index: int, total: int, r: dict) -> str:
@@ -448,10 +460,6 @@ def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
     (a lock file beside it; the others wait, then find it written); it fills a temporary folder
     and renames it into place, so that a killed writer never leaves a folder with some of the
     images, and a folder with another image count is written anew."""
-    import fcntl
-    import glob
-    import shutil
-    import tempfile
     from torchvision.io import write_png
     folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
     os.makedirs(bench.data_dir, exist_ok=True)
@@ -492,25 +500,19 @@ def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset
     reason = diffusers_missing_reason()
     if reason:
         return {**entry, 'skipped': reason}
-    row = Row(name, best.batch_size, amp=best.amp)
-    row_cfg = row_train_config(row, bench, device, dataset_name)
-    try:
-        folder = image_folder_for(bench, dataset_name, dataset)
-        loader = recipe_loader(folder, bench.image_size, best.batch_size, bench.num_workers)
+    row_cfg = row_train_config(Row(name, best.batch_size, amp=best.amp), bench, device, dataset_name)
+
+    def measure():
+        loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
+                               bench.num_workers)
         torch.manual_seed(bench.seed)
         parts = recipe_parts(get_config(bench.preset, image_size=bench.image_size), device, len(loader),
                              row_cfg.amp)
         stream = recipe_batches(loader)
-        result = describe(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench),
-                          row_cfg, bench, device, flops)
-    except torch.cuda.OutOfMemoryError as error:
-        return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
-    except Exception as error:
-        return {**entry, 'failed': brief(error, 300)}
-    finally:
-        parts = loader = stream = None
-        release(device)
-    return beside_ours({**entry, **result}, best, best_result, bench, device, dataset, dataset_name, flops)
+        return describe(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench),
+                        row_cfg, bench, device, flops)
+    result = measured_or_failed(entry, device, measure)
+    return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -86,8 +86,13 @@ v = runpy.run_path(os.path.join(os.path.dirname(importlib.util.find_spec('torch'
 print('torch', v['__version__'], 'cuda', v['cuda'])"; } > "$out/$1-environment.txt"
 }
 
-cut() {  # cut LOG STATUS SECONDS WHAT: the line a command ended by its time limit leaves in its log
-  echo "cut at $3 s (exit $2: the time limit, or a kill): $4" | tee -a "$1"
+ended() {  # ended LOG STATUS SECONDS WHAT, after a command under timeout: a cut is logged with what it
+           # kept, any other failure ends the script
+  case "$2" in
+    0) ;;
+    124|137) echo "cut at $3 s (exit $2: the time limit, or a kill): $4" | tee -a "$1" ;;
+    *) exit "$2" ;;
+  esac
 }
 
 bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, its output in OUT_DIR/PART.log;
@@ -96,14 +101,10 @@ bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, it
   rm -f "$out/$stem.json" "$out/$stem.md" "$out/$stem.png"  # what is there after the cut is this run's
   timeout --kill-after=15 "$seconds" python3 benchmark.py "${common[@]}" --preset "$preset" --out-dir "$out" \
     --stem "$stem" "$@" 2>&1 | tee -a "$log" || status=$?
-  if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-    if [ -f "$out/$stem.json" ]; then  # the ladder's modes rewrite it after every row
-      cut "$log" "$status" "$seconds" "$stem.json holds the rows finished before (\"complete\": false)"
-    else
-      cut "$log" "$status" "$seconds" "before $stem.json was written: nothing measured"
-    fi
-  elif [ "$status" != 0 ]; then
-    exit "$status"
+  if [ -f "$out/$stem.json" ]; then  # the ladder's modes rewrite it after every row
+    ended "$log" "$status" "$seconds" "$stem.json holds the rows finished before (\"complete\": false)"
+  else
+    ended "$log" "$status" "$seconds" "before $stem.json was written: nothing measured"
   fi
 }
 
@@ -126,11 +127,7 @@ run_part() {
               if [ -f "$scratch/train/metrics.jsonl" ]; then
                 cp "$scratch/train/metrics.jsonl" "$out/gputests-train-metrics.jsonl"
               fi
-              if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-                cut "$log" "$status" $((limit * 4 / 9)) "train.py's metrics so far are kept"
-              elif [ "$status" != 0 ]; then
-                exit "$status"
-              fi ;;
+              ended "$log" "$status" $((limit * 4 / 9)) "train.py's metrics so far are kept" ;;
     autotune) bench autotune autotune --rows "Baseline,no CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     graphs)   bench graphs graphs --rows "Baseline,reduce-overhead,+ CUDA graphs" --no-peer --no-sampling --iters 20 ;;
     quality)  bench quality quality --quality --steps 600 ;;
