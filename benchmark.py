@@ -1,61 +1,61 @@
 """The speedup table: one row per optimisation, each adding its change to the row above.
 
-One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir (write_report):
+One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir:
 
-    command                              mode        what it measures
-    python benchmark.py                  ladder      every row: ms/iter, img/s, TFLOP/s, MFU; the diffusers
-                                                     peers beside our fastest row (its UNet in our loop, its
-                                                     training recipe); then sampling speed
-    python benchmark.py --profile        profile     torch.profiler of the fastest row: a trace, top kernels
-    python benchmark.py --sweep batch    sweep       one setting (batch|workers|amp|compile) around that row
-    python benchmark.py --loader-only    loaders     images/s each data path delivers vs the step's consumption
-    python benchmark.py --quality        quality     held-out loss after N steps: baseline vs all speed-ups
-    python benchmark.py --sampling-only  sampling    DDIM-50, DPM-Solver++, DDPM-1000: img/s, MFU, time for 50k
-    python benchmark.py --solver-accuracy  accuracy  samplers' errors against exact answers, by model calls
+    python benchmark.py                  ladder    every row: ms/iter, img/s, TFLOP/s, MFU; the diffusers peers
+                                                   beside our fastest row (its UNet in our loop, its training
+                                                   recipe); then sampling speed
+    python benchmark.py --profile        profile   torch.profiler of the fastest row: a trace, top kernels
+    python benchmark.py --roofline       roofline  one step counted op by op and bounded on a GPU (--profile:
+                                                   beside a profile of it; on a CPU, against its measured peaks)
+    python benchmark.py --sweep batch    sweep     one setting (batch|workers|amp|compile) around that row
+    python benchmark.py --loader-only    loaders   images/s each data path delivers vs the step's consumption
+    python benchmark.py --quality        quality   held-out loss after N steps: baseline vs all speed-ups
+    python benchmark.py --sampling-only  sampling  DDIM-50, DPM-Solver++, DDPM-1000: img/s, MFU, time for 50k
 
-    python benchmark.py --preset small                       # the ~9M UNet of the reference table
-    python benchmark.py --device cpu --preset tiny --quick   # the CPU smoke run the tests use
-
-An iteration is what train.py runs per step: data, forward, backward, gradient clipping,
-Adam step and EMA update. Times are the median over many iterations after warm-up, from a
-chain of CUDA events (so that host stalls, such as waiting for data, are counted).
-Compilation is timed separately and kept out of the throughput.
+On a GPU the preset is the paper's; on a CPU it is `tiny` (what a CPU can time in minutes), with
+fewer iterations; `--quick` is the smoke run the tests use. An iteration is what train.py runs
+per step: data, forward, backward, gradient clipping, Adam step and EMA update. Times are the
+median over many iterations after warm-up, from a chain of CUDA events (so that host stalls, such
+as waiting for data, are counted). Compilation is timed separately and kept out of the throughput.
 """
+import contextlib
+import copy
 import dataclasses
-import datetime
-import fcntl
 import functools
-import glob
-import json
 import os
 import re
-import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
+import timeit
 import typing
 from dataclasses import asdict, dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from tqdm import tqdm
 
 import data
+import diffusion
 import sample
 import train
-from cli import (ConfigError, atomic_open, autocast, brief, check_ranges, check_writable, flag, parse_config,
-                 pick_device, pyplot, run_main, save_figure, synchronize)
-from model import (A100_PEAK_TFLOPS, PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, diffusers_config,
-                   get_config, gpu_peak_key, peak_tflops, precision_of)
+from cli import (A100_PEAK_TFLOPS, ConfigError, atomic_path, autocast, brief, check_ranges, check_writable, flag, fmt,
+                 gpu_peak_key, markdown_table, parse_config, peak_tflops, pick_device, precision_of, provenance, pyplot,
+                 remove_dead_writers, run_main, save_figure, synchronize, write_report)
+from diffusers_io import RECIPE, DiffusersUNet, recipe_batches, recipe_loader, recipe_parts, recipe_step
+from model import (PRESETS, ROOFLINE_CATEGORIES, StepCounter, UNet, categorise, count_flops, count_params,
+                   count_torchinfo_flops, cuda_policy, get_config)
 
 
 @dataclass
 class BenchConfig:
-    preset: str = flag('ddpm-cifar10', 'UNet preset (small is the ~9M UNet of the reference table)',
-                       choices=tuple(PRESETS))
+    preset: str | None = flag(None, 'UNet preset (default: ddpm-cifar10 on a GPU, tiny on a CPU; small is the ~9M '
+                                    'UNet of the reference table)', choices=tuple(PRESETS))
     image_size: int = flag(32, 'image resolution')
-    dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10 or shapes',
-                         choices=('auto', 'cifar10', 'shapes'))
+    dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10, shapes or digits (one channel; '
+                                '--quality then also compares the digits score)',
+                        choices=('auto', 'cifar10', 'shapes', 'digits'))
     data_dir: str = flag('./data', 'where CIFAR-10 is looked for; the FFCV rows and the recipe peer write their copies '
                                    'of the images there once (a .beton file, a folder of PNG files)')
     num_images: int = flag(50000, 'images in the shapes set (CIFAR-10 has 50000)', at_least=1)
@@ -64,12 +64,14 @@ class BenchConfig:
     big_batch: int = flag(512, 'batch size from the "scale up batch size" row on', at_least=1)
     amp_dtype: str = flag('bf16', 'precision of the mixed-precision rows', choices=('bf16', 'fp16'))
     num_workers: int = flag(4, 'DataLoader workers of the torch-loader rows', at_least=0)
-    warmup: int = flag(10, 'untimed iterations after the first (compiling) one', at_least=0)
-    iters: int = flag(50, 'timed iterations per row; the median is reported', at_least=1)
+    warmup: int | None = flag(None, 'untimed iterations after the first (compiling) one (default: 10; 3 on a CPU)',
+                              at_least=0)
+    iters: int | None = flag(None, 'timed iterations per row, the median reported (default: 50; 10 on a CPU)',
+                             at_least=1)
     rows: str = flag('', 'comma-separated substrings: run only the rows whose names contain one')
-    from_row: str = flag('', 'the ladder row that --profile, --quality, --loader-only, --sweep and --sampling-only '
-                             'start from (a substring of its name; default: the fastest row in the default compile '
-                             'mode, which is what train.py runs)')
+    from_row: str = flag('', 'the ladder row that --profile, --quality, --loader-only, --sweep, --sampling-only and '
+                             '--roofline start from (a substring of its name; default: the fastest row in the default '
+                             'compile mode, which is what train.py runs)')
     tf32: bool = flag(False, 'let the fp32 rows use TF32 tensor cores (then their MFU is against the TF32 peak); '
                              'off by default, so that fp32 is fp32 and compares with the reference table\'s 19.5')
     stem: str = flag('', 'output file name stem, a plain name (default: <gpu>-<preset>, plus the mode)')
@@ -93,16 +95,20 @@ class BenchConfig:
     sampling: bool = flag(True, 'after the ladder, time the samplers: DDIM-50, DPM-Solver++ at 10, 20, 50 calls and '
                                 'DDPM-1000 (their own table)')
     sampling_only: bool = flag(False, 'time only the samplers, no training rows')
-    sample_batch: int = flag(1000, 'images per sampling batch', at_least=1)
+    sample_batch: int | None = flag(None, 'images per sampling batch (default: 1000; 64 on a CPU)', at_least=1)
     sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
                                     choices=train.COMPILE_MODES)
-    solver_accuracy: bool = flag(False, 'DDIM, DDPM and DPM-Solver++ at 5 to 1000 model calls against exact answers '
-                                        '(a Gaussian mixture with its closed-form denoiser; and --ckpt)')
-    ckpt: str = flag('', 'a trained checkpoint for --solver-accuracy: distance of N-call samples to the 1000-call '
-                         'ODE solution from the same noise')
     quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
                                 'speed-ups (same seed, data, batch) and compare held-out losses')
     steps: int = flag(2000, 'training steps of each --quality run', at_least=1)
+    roofline: bool = flag(False, 'the physical limit: one step of the start row (--from-row) at --big-batch and '
+                                 '--precision counted op by op and bounded on --gpu; with --profile, beside a profile '
+                                 'of it (on a CPU, against its measured peaks)')
+    gpu: str = flag('', 'the GPU of the --roofline bound (default: this one, else h100-sxm; others through the '
+                        'peak flags)', choices=('', 'h100-sxm', 'h200', 'a100-40gb', 'a100-80gb'))
+    precision: str = flag('bf16', 'precision of the --roofline step (bf16: autocast)', choices=('bf16', 'fp32'))
+    bandwidth_gbs: float | None = flag(None, 'memory bandwidth in GB/s of the --roofline GPU (overrides the table)',
+                                       positive=True)
     out_dir: str = flag('', 'where the JSON, Markdown and PNG go (default: results/ on a GPU, runs/benchmark/ on '
                             'a CPU, so that smoke runs stay out of the committed results)')
     seed: int = flag(0, 'seed', at_least=0, at_most=2 ** 32 - 1)
@@ -126,7 +132,6 @@ class Row:
 
 def ladder(bench: BenchConfig, device: torch.device) -> list:
     """The reference table's rows, then ours; each row changes one thing."""
-    amp = bench.amp_dtype
     rows = [Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)]
 
     def add(name, **change):
@@ -135,7 +140,7 @@ def ladder(bench: BenchConfig, device: torch.device) -> list:
     add('torch.compile (the network)', compile=True, compile_scope='model')
     add('torch.compile (the whole loss, one graph)', compile_scope='loss')
     add('PyTorch SDPA', attention='sdpa')
-    add(f'Mixed precision ({amp})', amp=amp)
+    add(f'Mixed precision ({bench.amp_dtype})', amp=bench.amp_dtype)
     add('Channels-last', channels_last=True)
     add('Fused Adam', fused_adam=True)
     add('FFCV data loading', loader='ffcv')
@@ -156,6 +161,38 @@ def skip_reason(row: Row, device: torch.device) -> str | None:
     return None
 
 
+def start_row(bench: BenchConfig, device: torch.device) -> Row:
+    """The row the other modes start from: --from-row, or the last runnable row in the default
+    compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
+    rows = ladder(bench, device)
+    if bench.from_row:
+        named = [r for r in rows if not skip_reason(r, device) and bench.from_row.lower() in r.name.lower()]
+        if not named:
+            raise ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
+                              f"{'; '.join(r.name for r in rows if not skip_reason(r, device))}")
+        return named[0]
+    # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
+    return next(r for r in reversed(rows) if r.compile_mode == 'default' and not skip_reason(r, device))
+
+
+def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
+    """The defaults that depend on the device (the paper's model, 50 timed iterations, sampling
+    batches of 1000 on a GPU; tiny, 10 and 64 on a CPU, where a step of the paper's model takes
+    seconds), then --quick's cuts; TF32 as --tf32 says."""
+    cuda = device.type == 'cuda'
+    default = (lambda on_gpu, on_cpu: on_gpu if cuda else on_cpu)  # noqa: E731
+    bench = dataclasses.replace(bench, preset=bench.preset or default('ddpm-cifar10', 'tiny'),
+                                warmup=default(10, 3) if bench.warmup is None else bench.warmup,
+                                iters=bench.iters or default(50, 10), sample_batch=bench.sample_batch or default(1000, 64))
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
+    if bench.quick:
+        bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2), batch_size=min(bench.batch_size, 4),
+                                    big_batch=min(bench.big_batch, 8), num_images=min(bench.num_images, 256),
+                                    num_workers=min(bench.num_workers, 2),
+                                    image_size=bench.image_size if cuda else min(bench.image_size, 16))
+    return bench
+
+
 # ----------------------------------------------------------------------------- timing
 
 def row_train_config(row: Row, bench: BenchConfig, device: torch.device, dataset_name: str) -> train.TrainConfig:
@@ -172,16 +209,13 @@ class Clock:
     """Marks on the device's timeline: CUDA events on a GPU, perf_counter on the CPU."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == 'cuda'
-        self.marks = []
+        self.cuda, self.marks = device.type == 'cuda', []
 
     def mark(self):
+        event = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
         if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
             event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
+        self.marks.append(event)
 
     def intervals_ms(self) -> list:
         if self.cuda:
@@ -190,15 +224,19 @@ class Clock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def time_iterations(iterate: typing.Callable, device: torch.device, bench: BenchConfig) -> dict:
-    """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up.
-    iterate(step) runs one training iteration, data included, and leaves its loss on the device."""
+def time_iterations(iterate: typing.Callable, device: torch.device, bench: BenchConfig, name: str = '') -> dict:
+    """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up,
+    with a progress bar (on stderr; it never waits for the device). iterate(step) runs one training
+    iteration, data included, and leaves its loss on the device."""
+    bar = tqdm(total=1 + bench.warmup + bench.iters, desc=f'  {name[:40]} (first iteration compiles)', leave=False)
     start = time.perf_counter()
     iterate(0)
     synchronize(device)
     compile_s = time.perf_counter() - start
+    bar.set_description(f'  {name[:40]}')
     for step in range(1, bench.warmup + 1):
         iterate(step)
+        bar.update()
     synchronize(device)
     if device.type == 'cuda':
         torch.cuda.reset_peak_memory_stats(device)
@@ -207,16 +245,12 @@ def time_iterations(iterate: typing.Callable, device: torch.device, bench: Bench
     for step in range(bench.warmup + 1, bench.warmup + 1 + bench.iters):
         iterate(step)  # no sync: the next iteration's host work overlaps this one's kernels
         clock.mark()
+        bar.update()
     intervals = clock.intervals_ms()
+    bar.close()
     return {'ms_per_iter': statistics.median(intervals), 'ms_min': min(intervals), 'ms_max': max(intervals),
             'compile_s': compile_s,
             'peak_mem_gb': torch.cuda.max_memory_allocated(device) / 1e9 if device.type == 'cuda' else None}
-
-
-def time_training(run: train.Run, bench: BenchConfig) -> dict:
-    """train.py's step (train.train_step) on train.py's batches."""
-    stream = train.batches(run, 0)
-    return time_iterations(lambda step: train.train_step(run, next(stream), step), run.device, bench)
 
 
 def release(device: torch.device):
@@ -251,41 +285,37 @@ def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, datase
 def peak_for(precision: str, device: torch.device, bench: BenchConfig):
     """The dense peak the MFU is computed against: the override, the table, or None (n/a)."""
     override = bench.peak_tflops_fp32 if precision in ('fp32', 'tf32') else bench.peak_tflops
-    if override:
+    if override or device.type != 'cuda':
         return override
-    if device.type != 'cuda':
-        return None
     return peak_tflops(torch.cuda.get_device_name(device), precision)
 
 
-def describe(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
-    """Adds throughput, TFLOP/s and MFU (device peak and A100 peak) to a timing."""
+def throughput(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
+    """A timing with its throughput, TFLOP/s and MFU (against the device's peak and the A100's)."""
     precision = precision_of(row_cfg.amp, device)
     img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
-    tflops = img_per_s * flops['train'] / 1e12
-    peak = peak_for(precision, device, bench)
-    a100_peak = A100_PEAK_TFLOPS[precision]  # fp32 19.5, TF32 156, bf16/fp16 312
+    tflops, peak = img_per_s * flops['train'] / 1e12, peak_for(precision, device, bench)
     return {**result, 'precision': precision, 'img_per_s': img_per_s, 'tflops': tflops,
-            'tflops_torchinfo': img_per_s * flops['torchinfo_train'] / 1e12,
-            'mfu': tflops / peak if peak else None, 'peak_tflops': peak, 'mfu_a100': tflops / a100_peak}
+            'tflops_torchinfo': img_per_s * flops['torchinfo_train'] / 1e12, 'mfu': tflops / peak if peak else None,
+            'peak_tflops': peak, 'mfu_a100': tflops / A100_PEAK_TFLOPS[precision]}  # fp32 19.5, TF32 156, bf16 312
 
 
 def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
-    """One row's timing; a row that cannot run here is 'skipped', one that raises is 'failed'
-    (with the reason): the run goes on either way."""
+    """One row's timing of train.py's step on train.py's batches; a row that cannot run here is
+    'skipped', one that raises is 'failed' (with the reason): the run goes on either way."""
     entry = {'name': row.name, 'batch_size': row.batch_size, 'settings': asdict(row)}
-    reason = skip_reason(row, device)
-    if reason:
+    if reason := skip_reason(row, device):
         return {**entry, 'skipped': reason}
 
     def measure():
-        row_cfg = row_train_config(row, bench, device, dataset_name)
-        row_data = dataset
+        row_cfg, row_data = row_train_config(row, bench, device, dataset_name), dataset
         if row.loader == 'ffcv':
             row_data = beton_for(bench, dataset_name, dataset)
             row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=row_data.path)
         run = build_row_run(row_cfg, bench, device, row_data, make_model, row.compile_scope)
-        result = describe(time_training(run, bench), row_cfg, bench, device, flops)
+        stream = train.batches(run, 0)
+        result = throughput(time_iterations(lambda step: train.train_step(run, next(stream), step), device, bench,
+                                            row.name), row_cfg, bench, device, flops)
         if row_cfg.compile and compile_backend(bench, device) != 'inductor':
             result['note'] = f'torch.compile with backend={compile_backend(bench, device)}'
         return result
@@ -322,47 +352,44 @@ def add_speedups(rows: list):
             r['speedup'] = r['img_per_s'] / baseline['img_per_s']
 
 
-# ----------------------------------------------------------------------------- the peer
-
-class DiffusersUNet(torch.nn.Module):
-    """diffusers' UNet2DModel in the configuration that computes the same function as our
-    UNet (model.diffusers_config: google/ddpm-cifar10-32's for ddpm-cifar10), as model(x, t)."""
-
-    def __init__(self, config):
-        super().__init__()
-        from diffusers import UNet2DModel
-        self.config = config
-        self.unet = UNet2DModel(**diffusers_config(config))
-
-    def forward(self, x, t):
-        return self.unet(x, t).sample
-
-
-def diffusers_missing_reason() -> str | None:
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        return 'diffusers is not installed (pip install diffusers)'
-    return None
-
+# ----------------------------------------------------------------------------- the peers (diffusers_io holds their code)
 
 def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
-    """diffusers under the settings of our fastest row (compile, precision, channels-last, fused
-    Adam, data path, batch); its attention is its own default, SDPA."""
-    reason = diffusers_missing_reason()
-    if reason:
-        return {'name': 'diffusers UNet2DModel', 'kind': 'model', 'skipped': reason}
+    """The model peer: diffusers' UNet2DModel under the settings of our fastest row (compile,
+    precision, channels-last, fused Adam, data path, batch; its attention its own default, SDPA)."""
     row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', attention='sdpa')
-    result = {'kind': 'model',
-              **measure_row(row, bench, device, dataset, dataset_name, flops, make_model=DiffusersUNet)}
+    if reason := diffusers_missing_reason():
+        return {'name': row.name, 'kind': 'model', 'skipped': reason}
+    result = {'kind': 'model', **measure_row(row, bench, device, dataset, dataset_name, flops, DiffusersUNet)}
     return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
+
+
+def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """The system peer: what a diffusers user runs to train this network (diffusers_io's RECIPE,
+    recipe_step, recipe_loader) on the same images as PNG files, at our fastest row's batch size and
+    precision, eager as the example is."""
+    name = f'diffusers training recipe (train_unconditional.py loop, {bench.num_workers} workers)'
+    entry = {'name': name, 'kind': 'recipe', 'batch_size': best.batch_size, 'settings': {**RECIPE, 'amp': best.amp}}
+    if reason := diffusers_missing_reason():
+        return {**entry, 'skipped': reason}
+    row_cfg = row_train_config(Row(name, best.batch_size, amp=best.amp), bench, device, dataset_name)
+
+    def measure():
+        loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
+                               bench.num_workers)
+        torch.manual_seed(bench.seed)
+        parts, stream = recipe_parts(model_config(bench), device, len(loader), row_cfg.amp), recipe_batches(loader)
+        return throughput(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench, name),
+                          row_cfg, bench, device, flops)
+    return beside_ours(measured_or_failed(entry, device, measure), best, best_result, bench, device, dataset,
+                       dataset_name, flops)
 
 
 def beside_ours(result: dict, best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """A peer's timing with our fastest row timed again right after it, so that the ratio compares
     two neighbouring timings, not a drift of the GPU's clocks since the start of the ladder."""
-    from diffusers import __version__ as version
-    result['diffusers'] = version
+    from diffusers import __version__
+    result['diffusers'] = __version__
     if 'img_per_s' not in result:
         return result
     again = measure_row(best, bench, device, dataset, dataset_name, flops)
@@ -374,145 +401,40 @@ def beside_ours(result: dict, best: Row, best_result: dict, bench, device, datas
     return result
 
 
-# ----------------------------------------------------------------------------- the system peer
-
-# diffusers' unconditional training example (examples/unconditional_image_generation/
-# train_unconditional.py) as its README runs it (--center_crop --random_flip --use_ema) with its
-# default hyperparameters; the worker count and the precision are ours (--num-workers, the fastest
-# row's), since its defaults (0 workers, fp32) would only flatter us.
-RECIPE = {'lr': 1e-4, 'betas': (0.95, 0.999), 'weight_decay': 1e-6, 'eps': 1e-8, 'lr_schedule': 'cosine',
-          'lr_warmup_steps': 500, 'epochs': 100, 'grad_clip': 1.0, 'ema_max_decay': 0.9999, 'ema_inv_gamma': 1.0,
-          'ema_power': 3 / 4, 'center_crop': True, 'random_flip': True}
-
-
-def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str) -> dict:
-    """The example's objects around our network's function (model.diffusers_config): UNet2DModel,
-    DDPMScheduler, AdamW, the cosine schedule with warm-up, EMAModel with its warm-up, and the
-    grad scaler that accelerate's fp16 uses (a no-op otherwise)."""
-    from diffusers import DDPMScheduler, UNet2DModel
-    from diffusers.optimization import get_scheduler
-    from diffusers.training_utils import EMAModel
-    unet = UNet2DModel(**diffusers_config(config)).to(device)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=RECIPE['lr'], betas=RECIPE['betas'],
-                                  weight_decay=RECIPE['weight_decay'], eps=RECIPE['eps'])
-    ema = EMAModel(unet.parameters(), decay=RECIPE['ema_max_decay'], use_ema_warmup=True,
-                   inv_gamma=RECIPE['ema_inv_gamma'], power=RECIPE['ema_power'], model_cls=UNet2DModel,
-                   model_config=unet.config)
-    ema.to(device)
-    return {'unet': unet, 'noise_scheduler': DDPMScheduler(num_train_timesteps=train.NUM_TIMESTEPS),
-            'optimizer': optimizer, 'ema': ema, 'device': device, 'amp': amp,
-            'scaler': torch.amp.GradScaler(device.type, enabled=amp == 'fp16'),
-            'lr_scheduler': get_scheduler(RECIPE['lr_schedule'], optimizer=optimizer,
-                                          num_warmup_steps=RECIPE['lr_warmup_steps'],
-                                          num_training_steps=steps_per_epoch * RECIPE['epochs'])}
-
-
-def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:
-    """One iteration of the example's loop: the batch to the device in the weight dtype, noise,
-    timesteps, add_noise, the UNet under autocast (accelerate's mixed precision), MSE in fp32,
-    backward, clipping, AdamW, the lr schedule, zero_grad, the EMA, and the step's log values
-    (loss.item(): the host waits for the step, as the example's progress bar does). Its tqdm and
-    tracker calls are left out; under fp16 accelerate also skips the lr step when the scaler skips
-    the optimizer's (the first few steps only)."""
-    unet, noise_scheduler, device, scaler = parts['unet'], parts['noise_scheduler'], parts['device'], parts['scaler']
-    weight_dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(parts['amp'], torch.float32)
-    clean_images = clean_images.to(device, weight_dtype)
-    noise = torch.randn(clean_images.shape, dtype=weight_dtype, device=device)
-    timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],), device=device)
-    noisy_images = noise_scheduler.add_noise(clean_images, noise, timesteps)
-    with autocast(parts['amp'], device):
-        model_output = unet(noisy_images, timesteps).sample
-    loss = torch.nn.functional.mse_loss(model_output.float(), noise.float())
-    scaler.scale(loss).backward()
-    scaler.unscale_(parts['optimizer'])
-    torch.nn.utils.clip_grad_norm_(unet.parameters(), RECIPE['grad_clip'])
-    scaler.step(parts['optimizer'])
-    scaler.update()
-    parts['lr_scheduler'].step()
-    parts['optimizer'].zero_grad()
-    parts['ema'].step(unet.parameters())
-    parts['logs'] = {'loss': loss.detach().item(), 'lr': parts['lr_scheduler'].get_last_lr()[0],
-                     'ema_decay': parts['ema'].cur_decay_value}
-    return loss.detach()
-
-
-def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int):
-    """The example's data path: image files decoded by PIL in DataLoader workers, its transforms
-    (resize, centre crop, random flip, to [-1, 1]), shuffled; no pinned memory."""
-    from torchvision import datasets, transforms
-    augmentations = transforms.Compose([
-        transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BILINEAR),
-        transforms.CenterCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
-        transforms.Normalize([0.5], [0.5])])
-    images = datasets.ImageFolder(folder, transform=augmentations)
-    return torch.utils.data.DataLoader(images, batch_size=batch_size, shuffle=True, num_workers=num_workers)
-
-
-def recipe_batches(loader):
-    while True:  # the example's epoch loop: each epoch starts the loader's workers anew
-        for images, _ in loader:
-            yield images
+def diffusers_missing_reason() -> str | None:
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        return 'diffusers is not installed (pip install diffusers)'
+    return None
 
 
 def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
-    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder
-    reads) next to the data, written once: what the example trains from. One writer at a time
-    (a lock file beside it; the others wait, then find it written); it fills a temporary folder
-    and renames it into place, so that a killed writer never leaves a folder with some of the
-    images, and a folder with another image count is written anew."""
+    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder reads)
+    next to the data, written once: what the example trains from. Written into FOLDER.tmp-PID and
+    renamed into place, so a folder is whole or absent: of two concurrent writers the second's rename
+    fails and its copy is discarded; a killed writer's copy is removed by the next one."""
     from torchvision.io import write_png
     folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
-    os.makedirs(bench.data_dir, exist_ok=True)
-    with open(folder + '.lock', 'w') as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the process dies
-        if _png_count(folder) == len(dataset):
-            return folder
+    if not os.path.isdir(folder):
         print(f'writing {folder} for the diffusers recipe row ...', flush=True)
-        for leftover in glob.glob(folder + '.partial-*') + glob.glob(folder + '.stale-*'):  # killed writers'
-            shutil.rmtree(leftover, ignore_errors=True)
-        partial = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.partial-')
-        try:
-            os.chmod(partial, 0o755)  # mkdtemp's 0700 would lock out other users of the data folder
-            os.makedirs(os.path.join(partial, 'images'))
+        remove_dead_writers(folder)
+        with atomic_path(folder, durable=False, unique=True) as tmp:
+            os.makedirs(os.path.join(tmp, 'images'))
             for index in range(len(dataset)):
-                write_png(dataset[index], os.path.join(partial, 'images', f'{index:06d}.png'))
-            if os.path.exists(folder):  # another count: moved aside in one step, then removed
-                stale = tempfile.mkdtemp(dir=bench.data_dir, prefix=os.path.basename(folder) + '.stale-')
-                os.replace(folder, os.path.join(stale, 'old'))
-                shutil.rmtree(stale, ignore_errors=True)
-            os.replace(partial, folder)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
+                write_png(dataset[index], os.path.join(tmp, 'images', f'{index:06d}.png'))
     return folder
 
 
-def _png_count(folder: str) -> int:
-    images = os.path.join(folder, 'images')
-    return sum(name.endswith('.png') for name in os.listdir(images)) if os.path.isdir(images) else -1
-
-
-def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
-    """The system peer: what a diffusers user runs to train this network (RECIPE, recipe_step,
-    recipe_loader) on the same images as files, at our fastest row's batch size and precision,
-    eager as the example is; then our fastest row again."""
-    name = f'diffusers training recipe (train_unconditional.py loop, {bench.num_workers} workers)'
-    entry = {'name': name, 'kind': 'recipe', 'batch_size': best.batch_size, 'settings': {**RECIPE, 'amp': best.amp}}
-    reason = diffusers_missing_reason()
-    if reason:
-        return {**entry, 'skipped': reason}
-    row_cfg = row_train_config(Row(name, best.batch_size, amp=best.amp), bench, device, dataset_name)
-
-    def measure():
-        loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
-                               bench.num_workers)
-        torch.manual_seed(bench.seed)
-        parts = recipe_parts(get_config(bench.preset, image_size=bench.image_size), device, len(loader),
-                             row_cfg.amp)
-        stream = recipe_batches(loader)
-        return describe(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench),
-                        row_cfg, bench, device, flops)
-    result = measured_or_failed(entry, device, measure)
-    return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
+def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
+    """The benchmark's data set as a raw-RGB .beton next to the data, written once, as the PNG
+    folder is: concurrent benchmarks each write their own and share the one renamed first."""
+    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}.beton')
+    if not os.path.isfile(path):
+        print(f'writing {path} for the FFCV rows ...', flush=True)
+        remove_dead_writers(path)
+        data.write_beton(dataset, path, num_workers=bench.num_workers or 1)
+    return data.BetonDataset(path)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -528,50 +450,31 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({os.cpu_count()} cores)'
 
 
-def git_commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        commit = subprocess.run(['git', 'rev-parse', 'HEAD'], cwd=here, capture_output=True, text=True,
-                                check=True).stdout.strip()
-        dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=here,
-                               capture_output=True, text=True).stdout.strip()
-        return commit + ('-dirty' if dirty else '')
-    except (OSError, subprocess.CalledProcessError):
-        return 'unknown'
-
-
 def header(bench: BenchConfig, device: torch.device, flops: dict, dataset_name: str) -> dict:
-    return {'device': device_name(device), 'torch': torch.__version__,
-            'cuda': torch.version.cuda if device.type == 'cuda' else None,
-            'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-            'commit': git_commit(), 'command': 'python ' + ' '.join(sys.argv),
+    return {**provenance(device_name(device)), 'cuda': torch.version.cuda if device.type == 'cuda' else None,
             'preset': bench.preset, 'image_size': bench.image_size, 'dataset': dataset_name,
             'tf32_convs': torch.backends.cudnn.allow_tf32, 'tf32_matmul': torch.backends.cuda.matmul.allow_tf32,
             'flops_per_image': flops, 'config': asdict(bench)}
 
 
-def fmt(value, spec: str, missing: str = 'n/a') -> str:
-    return missing if value is None else format(value, spec)
+def output_stem(bench: BenchConfig, device: torch.device, mode: str = '') -> str:
+    return bench.stem or f"{device_slug(device)}-{bench.preset}{'-' + mode if mode else ''}"
 
 
-def markdown_table(rows: list, peers: list) -> str:
-    lines = ['| Version | Batch | Precision | ms/iter | img/s | TFLOP/s | MFU | MFU (A100 peak) | Speedup '
-             '| Peak mem (GB) |',
-             '| :- | -: | :- | -: | -: | -: | -: | -: | -: | -: |']
-    for r in rows + peers:
+def ladder_table(rows: list) -> str:
+    def cells(r):
         if 'skipped' in r or 'failed' in r:
-            why = f"skipped: {r['skipped']}" if 'skipped' in r else f"FAILED: {r['failed']}"
-            lines.append(f"| {r['name']} | {r.get('batch_size', '')} | {why} | | | | | | | |")
-            continue
-        precision = {'tf32': 'fp32 (TF32 allowed)'}.get(r['precision'], r['precision'])
-        lines.append(f"| {r['name']} | {r['batch_size']} | {precision} | {r['ms_per_iter']:.2f} | "
-                     f"{r['img_per_s']:,.0f} | {r['tflops']:.2f} | {fmt(r['mfu'], '.1%')} | "
-                     f"{r['mfu_a100']:.1%} | {fmt(r.get('speedup'), '.2f')}{'x' if r.get('speedup') else ''} | "
-                     f"{fmt(r['peak_mem_gb'], '.2f')} |")
-    return '\n'.join(lines)
+            return [r['name'], r.get('batch_size', ''), f"skipped: {r['skipped']}" if 'skipped' in r
+                    else f"FAILED: {r['failed']}"] + [''] * 7
+        return [r['name'], r['batch_size'], {'tf32': 'fp32 (TF32 allowed)'}.get(r['precision'], r['precision']),
+                f"{r['ms_per_iter']:.2f}", f"{r['img_per_s']:,.0f}", f"{r['tflops']:.2f}", fmt(r['mfu'], '.1%'),
+                f"{r['mfu_a100']:.1%}", fmt(r.get('speedup'), '.2f') + ('x' if r.get('speedup') else ''),
+                fmt(r['peak_mem_gb'], '.2f')]
+    return markdown_table(['Version', 'Batch', 'Precision', 'ms/iter', 'img/s', 'TFLOP/s', 'MFU', 'MFU (A100 peak)',
+                           'Speedup', 'Peak mem (GB)'], [cells(r) for r in rows])
 
 
-def summary_lines(meta: dict, rows: list, peers: list) -> str:
+def summary_lines(meta: dict, peers: list) -> str:
     flops = meta['flops_per_image']
     lines = [f"{meta['preset']} at {meta['image_size']}x{meta['image_size']}. FLOPs per image, forward+backward: "
              f"{flops['train'] / 1e9:.2f} GFLOP ({flops['method']}); torchinfo MACs x 2 x 3: "
@@ -580,104 +483,83 @@ def summary_lines(meta: dict, rows: list, peers: list) -> str:
     what = {'model': 'UNet2DModel (the same function) under the same settings',
             'recipe': 'training recipe (its loop and data path from PNG files, eager; the same network, images, '
                       'batch size and precision)'}
-    for peer in peers:
-        if peer.get('ratio'):
-            again = peer['ours_again']
-            lines.append(f"Our fastest row ({peer['ours']}), timed again right after the {peer['kind']} peer: "
-                         f"{again['img_per_s']:,.0f} img/s, {peer['ratio']:.2f}x the {peer['img_per_s']:,.0f} img/s "
-                         f"of diffusers {peer.get('diffusers', '')} {what[peer['kind']]} (first timing of our row: "
-                         f"{peer['ratio_first_timing']:.2f}x).")
+    for peer in [p for p in peers if p.get('ratio')]:
+        lines.append(f"Our fastest row ({peer['ours']}), timed again right after the {peer['kind']} peer: "
+                     f"{peer['ours_again']['img_per_s']:,.0f} img/s, {peer['ratio']:.2f}x the "
+                     f"{peer['img_per_s']:,.0f} img/s of diffusers {peer.get('diffusers', '')} {what[peer['kind']]} "
+                     f"(first timing of our row: {peer['ratio_first_timing']:.2f}x).")
     return '\n'.join(lines)
 
 
-def bar_chart(rows: list, peers: list, title: str, path: str):
-    plt = pyplot()
-    measured = [r for r in rows + peers if 'img_per_s' in r]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(measured) + 1.5))
-    names = [r['name'] for r in measured][::-1]
-    values = [r['img_per_s'] for r in measured][::-1]
-    colours = ['tab:gray' if 'kind' in r else 'tab:blue' for r in measured][::-1]
-    bars = ax.barh(names, values, color=colours)
-    for bar, r in zip(bars, measured[::-1]):
-        label = f" {r['img_per_s']:,.0f} img/s" + (f"  ({r['speedup']:.2f}x)" if r.get('speedup') else '')
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va='center', fontsize=8)
-    ax.set_xlabel('training images per second (higher is better)')
-    ax.set_xlim(0, max(values) * 1.35 if values else 1)
+def bar_chart(path: str, names: list, values: list, title: str, xlabel: str, colours=None, texts=None,
+              lines: dict = None, log: bool = False):
+    """One horizontal bar per name, top to bottom, with optional text after each bar and vertical
+    reference lines ({label: x})."""
+    fig, ax = pyplot().subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    bars = ax.barh(names[::-1], values[::-1], color=(colours or ['tab:blue'] * len(names))[::-1])
+    for bar, text in zip(bars, (texts or [])[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va='center', fontsize=8)
+    for (label, x), style in zip((lines or {}).items(), ('--', ':')):
+        ax.axvline(x, color='tab:red', linestyle=style, label=label)
+    if lines:
+        ax.legend(fontsize=8)
+    ax.set_xscale('log') if log else ax.set_xlim(0, max(values) * 1.35 if values else 1)
+    ax.set(xlabel=xlabel)
     ax.set_title(title, fontsize=9)
     save_figure(fig, path, dpi=120)
 
 
-def write_report(bench: BenchConfig, stem: str, result: dict, title: str, body: str, notes: str = '') -> str:
-    """Every mode's report: OUT_DIR/STEM.json (the result) and STEM.md (the title; what ran it:
-    device, torch, date, commit; `notes`; the command; the `body`), each written by a rename, so
-    a run killed mid-write leaves the previous version whole. Returns the path of the .png that
-    goes beside them (each mode draws its own)."""
-    path = os.path.join(bench.out_dir, stem)
-    markdown = (f"# {title}\n\n{result['device']}, torch {result['torch']}, {result['date']}, commit "
-                f"{result['commit']}{notes}\n\nCommand: `{result['command']}`\n\n{body}\n")
-    for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown)):
-        with atomic_open(path + ext) as f:
-            f.write(text)
-    return path + '.png'
-
-
-def write_outputs(stem: str, meta: dict, rows: list, peers: dict, bench: BenchConfig, final: bool = True) -> dict:
+def write_ladder(stem: str, meta: dict, rows: list, peers: dict, bench: BenchConfig, final: bool = True) -> dict:
     """The ladder's report, rewritten after every row (final=False: quietly, with 'complete':
     false in the JSON), so that a run killed at a time limit keeps its rows; the chart and the
-    printed table at the end. peers: {'peer': the model peer, 'recipe': the system peer}, each
-    None until measured."""
+    printed table at the end. peers: {'peer': the model peer, 'recipe': the system peer}."""
     result = {**meta, 'complete': final, 'rows': rows, 'peer': peers.get('peer'), 'recipe': peers.get('recipe')}
     measured_peers = [p for p in (peers.get('peer'), peers.get('recipe')) if p]
-    table = markdown_table(rows, measured_peers)
+    table = ladder_table(rows + measured_peers)
     if meta.get('sampling'):
-        table += ('\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n'
-                  + sampling_table(meta['sampling']))
+        table += '\n\nSampling (one batch; FLOPs = steps x forward FLOPs per image):\n\n' + sampling_table(
+            meta['sampling'])
     status = '' if final else '\n\n(incomplete: the run was still going, or was stopped, when this was written)'
-    png = write_report(bench, stem, result, f"Training speed: {meta['preset']} on {meta['device']}",
-                       table + status, notes='\n\n' + summary_lines(meta, rows, measured_peers))
+    png = write_report(bench.out_dir, stem, result, f"Training speed: {meta['preset']} on {meta['device']}",
+                       table + status, notes='\n\n' + summary_lines(meta, measured_peers))
     if final:  # the chart once, at the end (matplotlib costs about a second)
-        bar_chart(rows, measured_peers, f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}", png)
-        print(table)
-        print(summary_lines(meta, rows, measured_peers))
-        print(f'wrote {png[:-4]}.json, .md and .png')
+        shown = [r for r in rows + measured_peers if 'img_per_s' in r]
+        bar_chart(png, [r['name'] for r in shown], [r['img_per_s'] for r in shown],
+                  f"{meta['preset']} training, {meta['device']}, torch {meta['torch']}",
+                  'training images per second (higher is better)', ['tab:gray' if 'kind' in r else 'tab:blue'
+                                                                     for r in shown],
+                  [f" {r['img_per_s']:,.0f} img/s" + (f"  ({r['speedup']:.2f}x)" if r.get('speedup') else '')
+                   for r in shown])
+        print(table, summary_lines(meta, measured_peers), f'wrote {png[:-4]}.json, .md and .png', sep='\n')
     return result
 
 
-# ----------------------------------------------------------------------------- modes
+# ----------------------------------------------------------------------------- the ladder
+
+def model_config(bench: BenchConfig):
+    """The preset at --image-size, with the data set's channels (one for digits)."""
+    return get_config(bench.preset, image_size=bench.image_size, in_channels=data.channels_of(bench.dataset))
+
 
 def prepare(bench: BenchConfig, need_data: bool = True):
-    """(the bench config as --quick shrinks it, device, data set name, data set, FLOP counts).
-    fp32 rows run true fp32 unless --tf32: TF32 convolutions (PyTorch's default) are 8x the
-    fp32 peak, and would make the fp32 rows' MFU against 19.5 TFLOP/s read several hundred %."""
+    """(the bench config resolved for the device, the device, the data set's name, the data set, the
+    FLOP counts). fp32 rows run true fp32 unless --tf32: TF32 convolutions (PyTorch's default) are 8x
+    the fp32 peak, and would make the fp32 rows' MFU against 19.5 TFLOP/s read several hundred %."""
     device = pick_device(bench.device)
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
-    if bench.quick:
-        bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2),
-                                    batch_size=min(bench.batch_size, 4), big_batch=min(bench.big_batch, 8),
-                                    num_images=min(bench.num_images, 256), num_workers=min(bench.num_workers, 2))
-        if device.type == 'cpu':
-            bench = dataclasses.replace(bench, image_size=min(bench.image_size, 16))
+    bench = resolve(bench, device)
     dataset_name, dataset = load_data(bench) if need_data else ('none', None)
-    config = get_config(bench.preset, image_size=bench.image_size)
-    flops = count_flops(config, bench.image_size)
-    torchinfo = count_torchinfo_flops(config, bench.image_size)
+    config = model_config(bench)
+    flops, torchinfo = count_flops(config, bench.image_size), count_torchinfo_flops(config, bench.image_size)
     flops.update(torchinfo_forward=torchinfo['forward'], torchinfo_train=torchinfo['train'],
                  torchinfo_method=torchinfo['method'], params=count_params(UNet(config)))
     return bench, device, dataset_name, dataset, flops
 
 
-def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
-    """The benchmark's data set as a raw-RGB .beton next to the data (written once)."""
-    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}.beton')
-    if not os.path.isfile(path):
-        print(f'writing {path} for the FFCV rows ...', flush=True)
-        data.write_beton(dataset, path, num_workers=bench.num_workers or 1)
-    return data.BetonDataset(path)
-
-
 def load_data(bench: BenchConfig):
     """CIFAR-10 where it is on disk; otherwise shapes of the same size and shape (the step's
-    speed does not depend on what the pixels show)."""
+    speed does not depend on what the pixels show); digits when asked for."""
+    if bench.dataset == 'digits':
+        return 'digits', data.load_dataset('digits', bench.data_dir, bench.image_size)
     if bench.dataset in ('auto', 'cifar10'):
         try:
             return 'cifar10', data.ImageTensorDataset(data.resize_images(
@@ -693,23 +575,26 @@ def selected_rows(bench: BenchConfig, device: torch.device) -> list:
     return [r for r in ladder(bench, device) if not wanted or any(w in r.name.lower() for w in wanted)]
 
 
-def output_stem(bench: BenchConfig, device: torch.device, mode: str = '') -> str:
-    return bench.stem or f"{device_slug(device)}-{bench.preset}{'-' + mode if mode else ''}"
-
-
 def run_ladder(bench: BenchConfig) -> dict:
     """The ladder, one row at a time; the report is rewritten after every row, the peer and
     each sampler, and a row that fails is reported as failed while the others go on."""
     bench, device, dataset_name, dataset, flops = prepare(bench)
     rows = selected_rows(bench, device)
     meta = {**header(bench, device, flops, dataset_name), 'rows_planned': [row.name for row in rows]}
-    stem, results, peers = output_stem(bench, device), [], {}
+    stem, results, peers, start = output_stem(bench, device), [], {}, time.perf_counter()
+    print(f"ladder: {len(rows)} rows of {bench.preset} at {bench.image_size}x{bench.image_size} on "
+          f"{device_name(device)}, batch {bench.batch_size} then {bench.big_batch}, {flops['train'] / 1e9:.2f} GFLOP "
+          f"per image; each row 1 + {bench.warmup} + {bench.iters} iterations"
+          + ('; compiled rows first build their kernels (minutes each on a CPU)' if device.type == 'cpu' else ''),
+          flush=True)
     for index, row in enumerate(rows, 1):
         print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
         results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
         add_speedups(results)
-        print(row_line(index, len(rows), results[-1]), flush=True)
-        write_outputs(stem, meta, results, peers, bench, final=False)
+        left = (time.perf_counter() - start) / index * (len(rows) - index)
+        print(row_line(index, len(rows), results[-1]) + (f'; about {left / 60:.0f} min of rows left' if left else ''),
+              flush=True)
+        write_ladder(stem, meta, results, peers, bench, final=False)
     measured = [(row, r) for row, r in zip(rows, results) if 'img_per_s' in r]
     if bench.peer and measured:
         fastest = max(measured, key=lambda pair: pair[1]['img_per_s'])
@@ -719,90 +604,74 @@ def run_ladder(bench: BenchConfig) -> dict:
             peers[key] = measure(fastest[0], fastest[1], bench, device, dataset, dataset_name, flops)
             add_speedups([results[0], peers[key]])
             print(row_line(len(rows) + len(peers), len(rows) + 2, peers[key]), flush=True)
-            write_outputs(stem, meta, results, peers, bench, final=False)
+            write_ladder(stem, meta, results, peers, bench, final=False)
     if bench.sampling:
         meta['sampling'] = []
         for sampler_row in run_sampling(bench, device, flops):
             meta['sampling'].append(sampler_row)
-            write_outputs(stem, meta, results, peers, bench, final=False)
-    return write_outputs(stem, meta, results, peers, bench)
+            write_ladder(stem, meta, results, peers, bench, final=False)
+    return write_ladder(stem, meta, results, peers, bench)
 
 
 # ----------------------------------------------------------------------------- sampling speed
 
 def sampling_model(bench: BenchConfig, device: torch.device):
     """The preset's UNet, eval mode, in the fastest settings for inference on this device."""
-    cuda = device.type == 'cuda'
-    config = get_config(bench.preset, image_size=bench.image_size)
-    model = UNet(config).to(device).eval().requires_grad_(False)
-    if cuda:
+    model = UNet(model_config(bench)).to(device).eval().requires_grad_(False)
+    if device.type == 'cuda':
         model = model.to(memory_format=torch.channels_last)
-        settings = f'compile {bench.sample_compile_mode}, channels-last'
-        return torch.compile(model, mode=bench.sample_compile_mode), 'bf16', settings
-    if bench.quick:
-        return model, 'fp32', 'eager (--quick on CPU)'
-    return torch.compile(model), 'fp32', 'compile default'
-
-
-def time_sampler(sample_once, device: torch.device, repeats: int) -> tuple:
-    """(seconds of the first call, which compiles; median seconds of `repeats` more)."""
-    start = time.perf_counter()
-    sample_once()
-    synchronize(device)
-    first = time.perf_counter() - start
-    clock = Clock(device)
-    clock.mark()
-    for _ in range(repeats):
-        sample_once()
-        clock.mark()
-    return first, statistics.median(clock.intervals_ms()) / 1e3
+        return (torch.compile(model, mode=bench.sample_compile_mode), 'bf16',
+                f'compile {bench.sample_compile_mode}, channels-last')
+    return (model, 'fp32', 'eager (--quick on CPU)') if bench.quick else (torch.compile(model), 'fp32',
+                                                                           'compile default')
 
 
 def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typing.Iterator[dict]:
     """img/s and MFU of DDIM-50, DPM-Solver++ at 10, 20 and 50 calls and DDPM-1000 on one batch of
-    `--sample-batch` images, a row as each is done."""
-    from diffusion import ddim_sample, ddpm_sample, dpm_solver_sample, make_schedule
+    `--sample-batch` images (the first call, which compiles, timed apart), a row as each is done."""
     model, precision, settings = sampling_model(bench, device)
     quick_cpu = bench.quick and device.type == 'cpu'
     ddim_steps, num_steps = (10, 100) if quick_cpu else (50, 1000)  # --quick on a CPU: the wiring, not the speed
-    sched = make_schedule(num_steps).to(device)
+    sched = diffusion.make_schedule(num_steps).to(device)
     batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
-    shape = (batch, 3, bench.image_size, bench.image_size)
-    generator = torch.Generator(device).manual_seed(bench.seed)
-    amp = 'bf16' if precision == 'bf16' else 'off'
-    repeats = 1 if bench.quick else 3
-    samplers = [(f'DDIM-{ddim_steps}', ddim_steps, repeats,
-                 lambda: ddim_sample(model, sched, shape, ddim_steps, generator=generator, device=device))]
-    for calls in (5, 10) if quick_cpu else (10, 20, 50):
-        samplers.append((f'DPM-Solver++-{calls}', calls, repeats, functools.partial(
-            dpm_solver_sample, model, sched, shape, calls, generator=generator, device=device)))
-    samplers.append((f'DDPM-{num_steps}', num_steps, 1, lambda: ddpm_sample(model, sched, shape, generator, device)))
-    for name, steps, repeats, draw_batch in samplers:
-        print(f'sampling: {name} ...', flush=True)
+    shape = (batch, data.channels_of(bench.dataset), bench.image_size, bench.image_size)
+    generator, repeats = torch.Generator(device).manual_seed(bench.seed), 1 if bench.quick else 3
+    plan = [('ddim', ddim_steps, repeats)] + [('dpm++', calls, repeats) for calls in
+                                              ((5, 10) if quick_cpu else (10, 20, 50))] + [('ddpm', num_steps, 1)]
+    for name, steps, repeats in plan:
+        label = f"{({'ddim': 'DDIM', 'dpm++': 'DPM-Solver++', 'ddpm': 'DDPM'})[name]}-{steps}"
+        print(f'sampling: {label} ...', flush=True)
+        draw = functools.partial(diffusion.run_sampler, name, model, sched, shape, steps, generator, device)
         try:
-            with autocast(amp, device):
-                first, seconds = time_sampler(draw_batch, device, repeats)
+            with autocast('bf16' if precision == 'bf16' else 'off', device):
+                start = time.perf_counter()
+                draw()
+                synchronize(device)
+                first, clock = time.perf_counter() - start, Clock(device)
+                clock.mark()
+                for _ in range(repeats):
+                    draw()
+                    clock.mark()
+                seconds = statistics.median(clock.intervals_ms()) / 1e3
         except Exception as error:  # a sampler that fails here is reported, not fatal to the table
-            yield {'name': name, 'error': brief(error, 300)}
+            yield {'name': label, 'error': brief(error, 300)}
             continue
-        tflops = batch * steps * flops['forward'] / seconds / 1e12
-        peak = peak_for(precision, device, bench)
-        yield {'name': name, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
-               'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds,
-               'tflops': tflops, 'mfu': tflops / peak if peak else None, 'seconds_for_50k': 50000 / (batch / seconds),
+        tflops, peak = batch * steps * flops['forward'] / seconds / 1e12, peak_for(precision, device, bench)
+        yield {'name': label, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
+               'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds, 'tflops': tflops,
+               'mfu': tflops / peak if peak else None, 'seconds_for_50k': 50000 / (batch / seconds),
                'timed_calls': repeats}
     release(device)
 
 
 def run_sampling_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, _, flops = prepare(bench, need_data=False)
-    meta = header(bench, device, flops, dataset_name)
-    stem, rows = output_stem(bench, device, 'sampling'), []
+    meta, rows = header(bench, device, flops, dataset_name), []
 
     def report(final: bool) -> dict:
         result = {**meta, 'complete': final, 'sampling': rows}
-        write_report(bench, stem, result, f"Sampling speed: {meta['preset']} on {meta['device']}",
-                     sampling_table(rows))
+        write_report(bench.out_dir, output_stem(bench, device, 'sampling'), result,
+                     f"Sampling speed: {meta['preset']} on {meta['device']}", sampling_table(rows))
         return result
     for row in run_sampling(bench, device, flops):
         rows.append(row)
@@ -812,208 +681,54 @@ def run_sampling_only(bench: BenchConfig) -> dict:
 
 
 def sampling_table(rows: list) -> str:
-    lines = ['| Sampler | Batch | Precision | Settings | s/batch | img/s | TFLOP/s | MFU | 50k images |',
-             '| :- | -: | :- | :- | -: | -: | -: | -: | -: |']
-    for r in rows:
-        if 'error' in r:
-            lines.append(f"| {r['name']} | | failed: {r['error']} | | | | | | |")
-            continue
-        lines.append(f"| {r['name']} | {r['batch_size']} | {r['precision']} | {r['settings']} | "
-                     f"{r['seconds_per_batch']:.3f} | {r['img_per_s']:,.1f} | {r['tflops']:.2f} | "
-                     f"{fmt(r['mfu'], '.1%')} | {r['seconds_for_50k'] / 60:.1f} min |")
-    return '\n'.join(lines)
-
-
-# ----------------------------------------------------------------------------- sampler accuracy
-
-SOLVER_CALLS = (5, 10, 20, 50, 100, 1000)
-
-
-class GaussianMixture(torch.nn.Module):
-    """Data from a mixture of isotropic Gaussians N(mu_k, s^2 I) with weights w_k, and its exact
-    denoiser, in closed form: x_t | k ~ N(alpha mu_k, v I) with v = alpha^2 s^2 + sigma^2, so
-    E[x_0 | x_t] = sum_k gamma_k (mu_k + alpha s^2 / v (x_t - alpha mu_k)), gamma_k the posterior
-    weight of component k, and the perfect model predicts eps = (x_t - alpha E[x_0 | x_t]) / sigma.
-    A sampler's error is then measured without a trained network. Data are (N, D, 1, 1)."""
-
-    def __init__(self, sched, means, std: float, weights):
-        super().__init__()
-        self.abar = sched.alphas_cumprod.double()
-        self.means, self.std = torch.as_tensor(means, dtype=torch.float64), std  # (K, D)
-        self.weights = torch.as_tensor(weights, dtype=torch.float64)
-
-    def forward(self, xt, t):
-        x = xt.double().flatten(1)  # (B, D)
-        abar = self.abar.to(x.device)[t].view(-1, 1, 1)  # (B, 1, 1)
-        alpha, sigma2 = abar.sqrt(), 1 - abar
-        v = abar * self.std ** 2 + sigma2
-        centred = x[:, None, :] - alpha * self.means.to(x.device)  # (B, K, D)
-        logits = self.weights.log().to(x.device) - centred.square().sum(-1) / (2 * v[:, :, 0])  # (B, K)
-        gamma = logits.softmax(-1)[:, :, None]
-        x0 = (gamma * (self.means.to(x.device) + alpha * self.std ** 2 / v * centred)).sum(1)
-        eps = (x - alpha[:, 0] * x0) / sigma2[:, 0].sqrt()
-        return eps.view_as(xt).to(xt.dtype)
-
-    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        k = torch.multinomial(self.weights, n, replacement=True, generator=generator)
-        noise = torch.randn(n, self.means.shape[1], generator=generator, dtype=torch.float64)
-        return (self.means[k] + self.std * noise)[:, :, None, None]
-
-    def moments(self) -> tuple:
-        mean = self.weights @ self.means
-        second = (self.weights[:, None, None] * (self.means[:, :, None] * self.means[:, None, :])).sum(0)
-        return mean, second + self.std ** 2 * torch.eye(len(mean), dtype=torch.float64) - mean[:, None] * mean[None]
-
-
-def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, projections: int = 128, seed: int = 0) -> float:
-    """The sliced Wasserstein-1 distance of two equal-sized sets of points: the W1 distance of
-    their 1-D projections (sorted and matched), averaged over random directions."""
-    a, b = a.flatten(1).double(), b.flatten(1).double()
-    generator = torch.Generator().manual_seed(seed)
-    directions = torch.randn(a.shape[1], projections, generator=generator, dtype=torch.float64)
-    directions /= directions.norm(dim=0)
-    return ((a @ directions).sort(0).values - (b @ directions).sort(0).values).abs().mean().item()
-
-
-def solver_run(sampler: str, calls: int, model, sched, shape, seed: int, device) -> torch.Tensor:
-    """x_0 from x_T drawn with `seed` (the same x_T for every sampler), in `calls` model calls.
-    'ddpm' with fewer calls than T is the ancestral sampler over a strided sub-sequence (DDIM at
-    eta 1). No clipping of the predicted x_0: the samplers solve the same ODE or SDE."""
-    from diffusion import ddim_sample, ddpm_sample, dpm_solver_sample
-    generator = torch.Generator(device).manual_seed(seed)
-    dtype = torch.float64 if isinstance(model, GaussianMixture) else torch.float32
-    if sampler.startswith('dpm++'):
-        spacing = sampler.split('-')[-1] if '-' in sampler else 'logsnr'
-        return dpm_solver_sample(model, sched, shape, calls, spacing, generator=generator, device=device, dtype=dtype)
-    if sampler == 'ddpm' and calls == sched.num_steps:
-        return ddpm_sample(model, sched, shape, generator, device, clip_denoised=False, dtype=dtype)
-    return ddim_sample(model, sched, shape, calls, 1.0 if sampler == 'ddpm' else 0.0, generator, device,
-                       clip_denoised=False, dtype=dtype)
-
-
-def run_solver_accuracy(bench: BenchConfig) -> dict:
-    """DDIM, DDPM and DPM-Solver++ at 5 to 1000 model calls, measured against exact answers: on a
-    Gaussian mixture with its closed-form denoiser, the error of the samples' mean, covariance
-    and distribution (sliced W1 against true samples) and the distance to the converged ODE
-    solution from the same noise (DPM-Solver++ over all T timesteps); with --ckpt, the same
-    distance for a trained model's images."""
-    from diffusion import make_schedule
-    device = pick_device(bench.device)
-    calls = (5, 20) if bench.quick else SOLVER_CALLS  # --quick: the wiring, with a 1000-call reference still
-    samplers = ['ddim', 'ddpm', 'dpm++-time', 'dpm++-logsnr']
-    sched = make_schedule(1000)
-    n = 1000 if bench.quick else 20000
-    mixture = GaussianMixture(sched, [[-0.5, -0.4], [0.5, -0.3], [0.0, 0.6]], 0.08, [0.3, 0.3, 0.4])
-    true_mean, true_cov = mixture.moments()
-    truth = mixture.sample(n, torch.Generator().manual_seed(bench.seed + 1))
-    shape = (n, 2, 1, 1)
-    ode = solver_run('dpm++-time', sched.num_steps, mixture, sched, shape, bench.seed, torch.device('cpu'))
-    rows = []
-    for sampler in samplers:
-        for k in calls:
-            print(f'accuracy: {sampler}, {k} calls ...', flush=True)
-            x = solver_run(sampler, k, mixture, sched, shape, bench.seed, torch.device('cpu'))
-            flat = x.flatten(1)
-            rows.append({'data': 'gaussian mixture (2-D)', 'sampler': sampler, 'calls': k,
-                         'mean_error': (flat.mean(0) - true_mean).norm().item(),
-                         'cov_error': (torch.cov(flat.T) - true_cov).norm().item(),
-                         'sliced_w1': sliced_wasserstein(x, truth),
-                         'to_ode': None if sampler == 'ddpm' else (x - ode).square().mean().sqrt().item()})
-    floor = {'sliced_w1': sliced_wasserstein(mixture.sample(n, torch.Generator().manual_seed(bench.seed + 2)), truth)}
-    if bench.ckpt:
-        import sample
-        model, config, trained_sched = sample.load_model(bench.ckpt, 'ema', device)
-        shape = (min(bench.sample_batch, 2 if bench.quick else 64), 3, config.image_size, config.image_size)
-        reference = solver_run('dpm++-time', trained_sched.num_steps, model, trained_sched, shape, bench.seed, device)
-        for sampler in [s for s in samplers if s != 'ddpm']:
-            for k in calls:
-                print(f'accuracy: {sampler}, {k} calls, {bench.ckpt} ...', flush=True)
-                x = solver_run(sampler, k, model, trained_sched, shape, bench.seed, device)
-                rows.append({'data': f'trained model ({bench.ckpt})', 'sampler': sampler, 'calls': k,
-                             'to_ode': (x - reference).float().square().mean().sqrt().item()})
-    meta = {**header(bench, device, {}, 'gaussian mixture'), 'samples': n, 'rows': rows, 'floor': floor}
-    stem = output_stem(bench, device, 'solver-accuracy')
-    table = accuracy_table(rows)
-    png = write_report(bench, stem, meta, 'Sampler accuracy against exact answers', table,
-                       notes=f"; {n} samples of a 2-D Gaussian mixture with its exact denoiser (sliced W1 between "
-                             f"two sets of true samples: {floor['sliced_w1']:.4f}, the noise floor)")
-    accuracy_plot(rows, png, floor)
-    print(table)
-    return meta
-
-
-def accuracy_table(rows: list) -> str:
-    lines = ['| Data | Sampler | Model calls | mean error | covariance error | sliced W1 | RMS to the ODE solution |',
-             '| :- | :- | -: | -: | -: | -: | -: |']
-    for r in rows:
-        lines.append(f"| {r['data']} | {r['sampler']} | {r['calls']} | {fmt(r.get('mean_error'), '.4f')} | "
-                     f"{fmt(r.get('cov_error'), '.4f')} | {fmt(r.get('sliced_w1'), '.4f')} | "
-                     f"{fmt(r.get('to_ode'), '.2e')} |")
-    return '\n'.join(lines)
-
-
-def accuracy_plot(rows: list, path: str, floor: dict = None):
-    """Error against model calls, log-log: one panel per measure and data, one colour per sampler."""
-    plt = pyplot()
-    colours = {'ddim': 'tab:blue', 'ddpm': 'tab:gray', 'dpm++-time': 'tab:orange', 'dpm++-logsnr': 'tab:green'}
-    panels = [('gaussian mixture (2-D)', 'sliced_w1', 'sliced W1 to the true distribution'),
-              ('gaussian mixture (2-D)', 'to_ode', 'RMS distance to the ODE solution')]
-    panels += [(d, 'to_ode', 'RMS distance to the ODE solution') for d in dict.fromkeys(r['data'] for r in rows)
-               if d.startswith('trained')]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
-    for ax, (source, key, label) in zip(axes[0], panels):
-        for sampler, colour in colours.items():
-            points = [(r['calls'], r[key]) for r in rows if r['data'] == source and r['sampler'] == sampler
-                      and r.get(key)]
-            if points:
-                ax.loglog(*zip(*points), 'o-', color=colour, label=sampler)
-        if key == 'sliced_w1' and floor:
-            ax.axhline(floor['sliced_w1'], color='black', linestyle=':', label='two true samples (noise floor)')
-        ax.set_xlabel('model calls per image')
-        ax.set_ylabel(label)
-        ax.set_title(source if len(source) < 48 else source[:45] + '...', fontsize=9)
-        ax.grid(alpha=0.3, which='both')
-        ax.legend(fontsize=8)
-    save_figure(fig, path, dpi=110)
+    return markdown_table(['Sampler', 'Batch', 'Precision', 'Settings', 's/batch', 'img/s', 'TFLOP/s', 'MFU',
+                           '50k images'],
+                          [[r['name'], '', f"failed: {r['error']}"] + [''] * 6 if 'error' in r else
+                           [r['name'], r['batch_size'], r['precision'], r['settings'], f"{r['seconds_per_batch']:.3f}",
+                            f"{r['img_per_s']:,.1f}", f"{r['tflops']:.2f}", fmt(r['mfu'], '.1%'),
+                            f"{r['seconds_for_50k'] / 60:.1f} min"] for r in rows])
 
 
 # ----------------------------------------------------------------------------- quality
 
 def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_name, seed: int) -> dict:
-    """Trains `bench.steps` steps under a row's settings; held-out losses of the model and EMA."""
+    """Trains `bench.steps` steps under a row's settings; held-out losses of the model and the EMA
+    (and on digits the digits score of 450 EMA samples), evaluated the same way for every row: fp32,
+    eager, on the same images, timesteps and noise."""
     row_cfg = dataclasses.replace(row_train_config(row, bench, device, dataset_name), seed=seed)
     run = build_row_run(row_cfg, bench, device, dataset, compile_scope=row.compile_scope)
-    start = time.perf_counter()
-    stream = train.batches(run, 0)
-    loss_sum = torch.zeros((), device=device)
-    for step in range(bench.steps):
+    start, stream, loss_sum = time.perf_counter(), train.batches(run, 0), torch.zeros((), device=device)
+    for step in tqdm(range(bench.steps), desc=f'  {row.name[:40]}', leave=False):
         loss_sum += train.train_step(run, next(stream), step)
-    train_loss = loss_sum.item() / bench.steps
-    seconds = time.perf_counter() - start
-    # Evaluated the same way for every row: fp32, eager, on the same images, timesteps and noise.
+    train_loss, seconds = loss_sum.item() / bench.steps, time.perf_counter() - start
     eval_cfg = dataclasses.replace(row_cfg, amp='off', channels_last=False)
     heldout = sample.make_heldout(eval_cfg, device, run.sched.num_steps)
-    losses = {'model': sample.heldout_losses(run.model, run.sched, heldout, eval_cfg, device),
-              'ema': sample.heldout_losses(run.ema, run.sched, heldout, eval_cfg, device)}
+    losses = {name: sample.heldout_losses(module, run.sched, heldout, eval_cfg, device)
+              for name, module in (('model', run.model), ('ema', run.ema))}
+    result = {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg.amp, device),
+              'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
+              'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
+    if dataset_name == 'digits':  # DPM-Solver++ at 20 calls, from the seed's noise
+        judge = sample.DigitsJudge(bench.image_size, bench.data_dir)
+        with torch.no_grad():
+            x = diffusion.run_sampler('dpm++', run.ema, run.sched, (450, 1, bench.image_size, bench.image_size), 20,
+                                      torch.Generator(device).manual_seed(seed), device)
+        result.update(judge.score(judge.features(sample.to_uint8(x).cpu())))
     release(device)
-    return {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg.amp, device),
-            'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
-            'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
+    return result
 
 
 def compare(run: dict, baseline: dict, weights: str) -> dict:
     """Relative difference of held-out losses, with the paired standard error of the difference
     (same images, timesteps and noise in both), so that evaluation noise is accounted for."""
-    diff = run['losses'][weights] - baseline['losses'][weights]
-    base = baseline['losses'][weights].mean().item()
+    diff, base = run['losses'][weights] - baseline['losses'][weights], baseline['losses'][weights].mean().item()
     return {'relative_difference': diff.mean().item() / base,
             'paired_stderr_relative': (diff.std() / len(diff) ** 0.5).item() / base}
 
 
 def run_quality(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    if bench.quick:
-        bench = dataclasses.replace(bench, steps=min(bench.steps, 20))
+    bench = dataclasses.replace(bench, steps=min(bench.steps, 20)) if bench.quick else bench
     baseline = Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)
     fast = dataclasses.replace(start_row(bench, device), name='All speed-ups', batch_size=bench.batch_size)
     runs = []
@@ -1023,158 +738,274 @@ def run_quality(bench: BenchConfig) -> dict:
     base, fast_run, other_seed = runs
     comparison = {weights: {'all_speedups': compare(fast_run, base, weights),
                             'baseline_other_seed': compare(other_seed, base, weights)} for weights in ('model', 'ema')}
-    # Agreement: the speed-ups move the held-out loss no more than changing the seed does,
-    # or than two paired standard errors of the evaluation.
-    agree = {w: abs(c['all_speedups']['relative_difference'])
-             <= max(abs(c['baseline_other_seed']['relative_difference']),
-                    2 * c['all_speedups']['paired_stderr_relative'])
-             for w, c in comparison.items()}
-    meta = header(bench, device, flops, dataset_name)
-    result = {**meta, 'steps': bench.steps, 'batch_size': bench.batch_size,
-              'runs': [{k: v for k, v in r.items() if k != 'losses'} for r in runs],
-              'comparison': comparison, 'agree_within_noise': agree}
-    write_quality(result, bench, device)
+    # Agreement: the speed-ups move the held-out loss no more than changing the seed does, or than
+    # two paired standard errors of the evaluation.
+    agree = {w: abs(c['all_speedups']['relative_difference']) <= max(
+        abs(c['baseline_other_seed']['relative_difference']), 2 * c['all_speedups']['paired_stderr_relative'])
+        for w, c in comparison.items()}
+    result = {**header(bench, device, flops, dataset_name), 'steps': bench.steps, 'batch_size': bench.batch_size,
+              'runs': [{k: v for k, v in r.items() if k != 'losses'} for r in runs], 'comparison': comparison,
+              'agree_within_noise': agree}
+    digits = 'digits_fd' in result['runs'][0]
+    table = markdown_table(['Run', 'Seed', 'Precision', 'train loss', 'held-out loss', 'held-out loss (EMA)'] + (
+        ['digits FD (EMA)'] if digits else []) + ['time (s)'], [
+        [r['name'], r['seed'], r['precision'], f"{r['train_loss']:.5f}", f"{r['heldout_loss']:.5f}",
+         f"{r['heldout_loss_ema']:.5f}"] + ([f"{r['digits_fd']:.2f}"] if digits else []) + [f"{r['seconds']:.1f}"]
+        for r in result['runs']]) + '\n\n' + markdown_table(
+        ['Weights', 'speed-ups vs baseline', 'paired s.e.', 'other seed vs baseline', 'agree within noise'], [
+            [w, f"{c['all_speedups']['relative_difference']:+.2%}", f"{c['all_speedups']['paired_stderr_relative']:.2%}",
+             f"{c['baseline_other_seed']['relative_difference']:+.2%}", agree[w]] for w, c in comparison.items()])
+    write_report(bench.out_dir, bench.stem or f'quality-{device_slug(device)}-{bench.preset}', result,
+                 f"Quality: {bench.preset} on {dataset_name}, {bench.steps} steps of batch {bench.batch_size} on "
+                 f"{result['device']}", table, notes=f"; held-out loss on {train.TrainConfig.heldout_size} fixed "
+                                                     f"images, timesteps and noise, evaluated in fp32" +
+                 ('; digits FD: 450 EMA samples of DPM-Solver++ at 20 calls in the digit classifier\'s features '
+                  '(floor about 7)' if digits else '') + '.')
+    print(table)
     return result
 
 
-def write_quality(result: dict, bench: BenchConfig, device: torch.device):
-    lines = ['| Run | Seed | Precision | train loss | held-out loss | held-out loss (EMA) | time (s) |',
-             '| :- | -: | :- | -: | -: | -: | -: |']
-    for r in result['runs']:
-        lines.append(f"| {r['name']} | {r['seed']} | {r['precision']} | {r['train_loss']:.5f} | "
-                     f"{r['heldout_loss']:.5f} | {r['heldout_loss_ema']:.5f} | {r['seconds']:.1f} |")
-    lines += ['', '| Weights | speed-ups vs baseline | paired s.e. | other seed vs baseline | agree within noise |',
-              '| :- | -: | -: | -: | :- |']
-    for weights, c in result['comparison'].items():
-        lines.append(f"| {weights} | {c['all_speedups']['relative_difference']:+.2%} | "
-                     f"{c['all_speedups']['paired_stderr_relative']:.2%} | "
-                     f"{c['baseline_other_seed']['relative_difference']:+.2%} | "
-                     f"{result['agree_within_noise'][weights]} |")
-    table = '\n'.join(lines)
-    write_report(bench, bench.stem or f'quality-{device_slug(device)}-{result["preset"]}', result,
-                 f"Quality: {result['preset']}, {result['steps']} steps of batch {result['batch_size']} on "
-                 f"{result['device']}", table, notes=f"; held-out loss on {train.TrainConfig.heldout_size} fixed "
-                                                     f"images, timesteps and noise, evaluated in fp32.")
-    print(table)
+# ----------------------------------------------------------------------------- profile
 
-
-def start_row(bench: BenchConfig, device: torch.device) -> Row:
-    """The row the other modes start from: --from-row, or the last runnable row in the default
-    compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
-    rows = ladder(bench, device)
-    if bench.from_row:
-        runnable = [r for r in rows if not skip_reason(r, device)]
-        named = [r for r in runnable if bench.from_row.lower() in r.name.lower()]
-        if not named:
-            raise ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
-                                    f"{'; '.join(r.name for r in runnable)}")
-        return named[0]
-    # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
-    return next(r for r in reversed(rows) if r.compile_mode == 'default' and not skip_reason(r, device))
-
-
-# Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
-# its multi-tensor kernels are also elementwise.
-CATEGORIES = [
-    ('optimizer', r'adam|multi_tensor|foreach|lerp|clip_grad|vector_norm|_amp_'),
-    ('attention', r'flash|fmha|attention|sdpa|softmax|bmm'),
-    ('norm', r'norm|welford'),
-    ('conv / matmul', r'conv|cudnn|implicit|xmma|cutlass|gemm|winograd|dgrad|wgrad|fprop|mm\b|addmm|matmul|sm\d\d_'),
-    ('elementwise', r'elementwise|vectorized|triton_|silu|add|mul|copy|fill|cat|where|index|gather|reduce|'
-                    r'sum|mean|div|sub|pow|exp|clamp|flip|unrolled'),
-]
-
-
-def categorise(name: str) -> str:
-    lowered = name.lower()
-    return next((category for category, pattern in CATEGORIES if re.search(pattern, lowered)), 'other')
-
-
-def profile_rows(prof, device: torch.device) -> list:
-    """Per op (CPU) or kernel (CUDA): self time in ms per iteration, with its category."""
-    cuda = device.type == 'cuda'
+def profile_rows(prof, device: torch.device, active: int) -> list:
+    """Per op (CPU) or kernel (CUDA): self time in ms per iteration of `active`, with its category."""
     rows = []
     for event in prof.key_averages():
-        if cuda:
-            if str(event.device_type) != 'DeviceType.CUDA':
-                continue  # CPU ops that launch kernels: their kernels are counted instead
-            self_us = event.self_device_time_total
-        else:
-            self_us = event.self_cpu_time_total
+        if device.type == 'cuda' and str(event.device_type) != 'DeviceType.CUDA':
+            continue  # CPU ops that launch kernels: their kernels are counted instead
+        self_us = event.self_device_time_total if device.type == 'cuda' else event.self_cpu_time_total
         if self_us > 0:
             rows.append({'name': event.key, 'category': categorise(event.key), 'calls': event.count,
-                         'self_us': self_us})
+                         'self_us': self_us, 'ms_per_iter': self_us / 1e3 / active})
     return sorted(rows, key=lambda r: -r['self_us'])
+
+
+def profile_steps(run: train.Run, quick: bool) -> tuple:
+    """(torch.profiler over train.py's steps, data included, after 3 that compile and warm up; the
+    number of steps it profiled)."""
+    stream, active = train.batches(run, 0), 3 if quick else 10
+    for step in range(3):  # compile and warm up outside the profile
+        train.train_step(run, next(stream), step)
+    synchronize(run.device)
+    activities = [torch.profiler.ProfilerActivity.CPU] + (
+        [torch.profiler.ProfilerActivity.CUDA] if run.device.type == 'cuda' else [])
+    with torch.profiler.profile(activities=activities,
+                                schedule=torch.profiler.schedule(wait=1, warmup=2, active=active)) as prof:
+        for step in range(3, 3 + 3 + active):
+            train.train_step(run, next(stream), step)
+            prof.step()
+        synchronize(run.device)
+    return prof, active
 
 
 def profile_best_row(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     row = start_row(bench, device)
-    row_cfg = row_train_config(row, bench, device, dataset_name)
-    run = build_row_run(row_cfg, bench, device, dataset, compile_scope=row.compile_scope)
-    stream = train.batches(run, 0)
-    for step in range(3):  # compile and warm up outside the profile
-        train.train_step(run, next(stream), step)
-    synchronize(device)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == 'cuda':
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    active = 3 if bench.quick else 10
-    schedule = torch.profiler.schedule(wait=1, warmup=2, active=active)
-    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
-        for step in range(3, 3 + 3 + active):
-            train.train_step(run, next(stream), step)
-            prof.step()
-        synchronize(device)
+    run = build_row_run(row_train_config(row, bench, device, dataset_name), bench, device, dataset,
+                        compile_scope=row.compile_scope)
+    prof, active = profile_steps(run, bench.quick)
     stem = output_stem(bench, device, 'profile')
-    os.makedirs(os.path.join(bench.out_dir, 'traces'), exist_ok=True)
     trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
     prof.export_chrome_trace(trace)
-    ops = profile_rows(prof, device)
-    for op in ops:
-        op['ms_per_iter'] = op['self_us'] / 1e3 / active
-    total = sum(op['ms_per_iter'] for op in ops)
-    categories = {}
+    ops, categories = profile_rows(prof, device, active), {}
     for op in ops:
         categories[op['category']] = categories.get(op['category'], 0.0) + op['ms_per_iter']
-    meta = header(bench, device, flops, dataset_name)
-    result = {**meta, 'row': row.name, 'settings': asdict(row), 'trace': trace, 'active_iterations': active,
-              'total_ms_per_iter': total, 'categories': categories, 'top_ops': ops[:40]}
-    write_profile_outputs(stem, result, bench)
+    total = sum(categories.values()) or 1.0
+    result = {**header(bench, device, flops, dataset_name), 'row': row.name, 'settings': asdict(row), 'trace': trace,
+              'active_iterations': active, 'total_ms_per_iter': total, 'categories': categories, 'top_ops': ops[:40]}
+    by_share = sorted(categories.items(), key=lambda kv: -kv[1])
+    table = markdown_table(['Category', 'ms/iter', 'share'], [[c, f'{ms:.3f}', f'{ms / total:.1%}']
+                                                             for c, ms in by_share]) + '\n\n' + markdown_table(
+        ['Op / kernel', 'Category', 'calls', 'ms/iter', 'share'], [
+            [f"`{op['name'][:87] + '...' if len(op['name']) >= 90 else op['name']}`", op['category'], op['calls'],
+             f"{op['ms_per_iter']:.3f}", f"{op['ms_per_iter'] / total:.1%}"] for op in ops[:25]], left=2)
+    png = write_report(bench.out_dir, stem, result, f"Profile: {bench.preset}, {row.name}, on {result['device']}",
+                       table, notes=f"; self time per iteration ({'kernels' if device.type == 'cuda' else 'CPU ops'}),"
+                                    f" mean of {active} profiled iterations. Trace for chrome://tracing or "
+                                    f"ui.perfetto.dev: `{trace}`.")
+    shown = by_share + [(op['name'][:50], op['ms_per_iter']) for op in ops[:15]]
+    bar_chart(png, [name for name, _ in shown], [ms for _, ms in shown], f"{bench.preset}, {row.name}, "
+              f"{result['device']}, torch {result['torch']}: categories, then the top ops (self time)",
+              'ms per iteration', ['tab:blue'] * len(by_share) + ['tab:orange'] * (len(shown) - len(by_share)))
+    print(table)
     return result
 
 
-def write_profile_outputs(stem: str, result: dict, bench: BenchConfig):
-    total = result['total_ms_per_iter'] or 1.0
-    lines = ['| Category | ms/iter | share |', '| :- | -: | -: |']
-    for category, ms in sorted(result['categories'].items(), key=lambda kv: -kv[1]):
-        lines.append(f'| {category} | {ms:.3f} | {ms / total:.1%} |')
-    lines += ['', '| Op / kernel | Category | calls | ms/iter | share |', '| :- | :- | -: | -: | -: |']
-    for op in result['top_ops'][:25]:
-        name = op['name'] if len(op['name']) < 90 else op['name'][:87] + '...'
-        lines.append(f"| `{name}` | {op['category']} | {op['calls']} | {op['ms_per_iter']:.3f} | "
-                     f"{op['ms_per_iter'] / total:.1%} |")
-    table = '\n'.join(lines)
-    what = 'CPU ops' if result['device'].startswith('CPU') else 'kernels'
-    png = write_report(bench, stem, result, f"Profile: {result['preset']}, {result['row']}, on {result['device']}",
-                       table, notes=f"; self time per iteration ({what}), mean of {result['active_iterations']} "
-                                    f"profiled iterations. Trace for chrome://tracing or ui.perfetto.dev: "
-                                    f"`{result['trace']}`.")
-    plt = pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={'width_ratios': [1, 2]})
-    cats = sorted(result['categories'].items(), key=lambda kv: kv[1])
-    left.barh([c for c, _ in cats], [ms for _, ms in cats], color='tab:blue')
-    left.set_xlabel('ms per iteration')
-    left.set_title('by category', fontsize=9)
-    top = result['top_ops'][:15][::-1]
-    right.barh([o['name'][:50] for o in top], [o['ms_per_iter'] for o in top], color='tab:orange')
-    right.tick_params(axis='y', labelsize=7)
-    right.set_xlabel('ms per iteration')
-    right.set_title('top ops / kernels (self time)', fontsize=9)
-    fig.suptitle(f"{result['preset']}, {result['row']}, {result['device']}, torch {result['torch']}", fontsize=9)
+# ----------------------------------------------------------------------------- the physical limit
+
+# The GPUs --roofline knows by name: their data-sheet names (cli.GPU_PEAK_TFLOPS has their peaks) and
+# memory bandwidths in GB/s.
+GPU_BANDWIDTH = {'h100-sxm': ('H100 SXM', 3350), 'h200': ('H200', 4800), 'a100-40gb': ('A100 40GB', 1555),
+                 'a100-80gb': ('A100 80GB', 2039)}
+FUSED_AWAY = 'elementwise and activation'
+FUSED_ASSUMPTIONS = ('elementwise and activation ops (SiLU, adds, casts, layout copies, padding, concatenation, '
+                     'upsampling, dropout, the noise and the loss) move no bytes: each is folded into the kernel '
+                     'that produces its input or consumes its output; convolutions, matmuls, attention and GroupNorm '
+                     'read their inputs and write their outputs once, in the dtypes of the eager step; the data '
+                     'path, the optimizer and the EMA are unchanged (train.py runs them outside the compiled graph)')
+
+
+def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
+    """train.py's step op by op (model.StepCounter) on fake tensors (shapes, no memory): the loader's
+    next batch, then train.train_step over what train.build_run makes (made here by the same
+    functions: build_run reads real data), after a step that creates the optimizer's state; as on
+    CUDA (model.cuda_policy) or as on the CPU."""
+    with torch.device('meta'):
+        model = UNet(train.model_config_of(cfg))
+    model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+    ema, counter, cpu = copy.deepcopy(model).eval().requires_grad_(False), StepCounter(), torch.device('cpu')
+    with cuda_policy() if cuda else contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True):
+        model, ema, sched = model.to(cpu), ema.to(cpu), diffusion.make_schedule(train.NUM_TIMESTEPS, cfg.schedule)
+        images = torch.zeros(2 * cfg.batch_size, model.config.in_channels, cfg.image_size, cfg.image_size,
+                             dtype=torch.uint8)
+        loss = train.make_loss(dataclasses.replace(cfg, compile=False), model, sched, cpu)
+        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
+        run = train.Run(cfg, cpu, 0, 1, model, ema, loss, optimizer, torch.amp.GradScaler('cpu', enabled=False),
+                        sched, data.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
+        stream = train.batches(run, 0)
+        train.train_step(run, next(stream), 0)
+        with counter:
+            x0 = next(stream)
+            counter.phase = 'step'
+            train.train_step(run, x0, 1)
+    return counter.ops
+
+
+def roofline_bounds(ops: list, batch: int, tflops: float, gbs: float) -> dict:
+    """Per category and in total: GFLOP and MB per image and the bound in ms per step, each op
+    max(FLOPs / peak, bytes / bandwidth), summed: every op its own kernel ('eager'), the elementwise
+    work fused away ('fused': FUSED_ASSUMPTIONS), the FLOPs alone; and the step's ceilings."""
+    rows = {c: dict.fromkeys(('gflop_per_image', 'mb_per_image', 'eager_ms', 'fused_ms', 'flops_ms'), 0.0)
+            for c in dict.fromkeys(ROOFLINE_CATEGORIES.values())}
+    for op in ops:
+        row, ms = rows[op['category']], 1e3 * max(op['flops'] / tflops / 1e12, op['bytes'] / gbs / 1e9)
+        row['gflop_per_image'] += op['flops'] / batch / 1e9
+        row['mb_per_image'] += op['bytes'] / batch / 1e6
+        row['eager_ms'] += ms
+        row['fused_ms'] += 0.0 if op['category'] == FUSED_AWAY else ms
+        row['flops_ms'] += 1e3 * op['flops'] / tflops / 1e12
+    total = {key: sum(row[key] for row in rows.values()) for key in rows[FUSED_AWAY]}
+    return {'categories': rows, 'total': total,
+            'cases': {case: ceiling(total[f'{case}_ms'], batch, total) for case in ('eager', 'fused', 'flops')}}
+
+
+def ceiling(ms: float, batch: int, total: dict) -> dict:
+    return {'ms_per_step': ms, 'img_per_s': 1e3 * batch / ms, 'mfu': total['flops_ms'] / ms}
+
+
+def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
+    """The peaks of the bound: --gpu's, this GPU's or the H100 SXM's (from the tables unless the flags
+    give them); None where they are this CPU's, measured (--profile on a CPU)."""
+    if bench.profile and device.type == 'cpu':
+        if bench.gpu:
+            raise ConfigError("--gpu: with --profile on a CPU the bound is the CPU's, from its measured peaks")
+        return None
+    slug = bench.gpu or (device_slug(device) if device.type == 'cuda' else 'h100-sxm')
+    if slug == 'a100':
+        slug += '-80gb' if '80GB' in device_name(device).upper() else '-40gb'
+    name, gbs = GPU_BANDWIDTH.get(slug, (device_name(device), None))
+    gbs, fp32 = bench.bandwidth_gbs or gbs, bench.precision == 'fp32'
+    tflops = (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops) or peak_tflops(
+        name, ('tf32' if bench.tf32 else 'fp32') if fp32 else bench.precision)
+    if not (tflops and gbs):
+        raise ConfigError(f"--roofline: no peaks known for {name}: give --peak-tflops{'-fp32' if fp32 else ''} "
+                          f"and --bandwidth-gbs")
+    return {'name': f'{name} (computed)', 'slug': slug, 'peak_tflops': tflops, 'bandwidth_gbs': gbs}
+
+
+def cpu_peaks(quick: bool, dtype: torch.dtype) -> dict:
+    """This CPU's peaks, measured: a large matmul's TFLOP/s in the step's dtype and a large copy's
+    GB/s (read and written), each the median of repeats after warm-up calls."""
+    n, size, repeats = (512, 2 ** 22, 3) if quick else (2048, 2 ** 25, 15)
+    a, source = torch.randn(n, n, dtype=dtype), torch.randn(size)
+    target = torch.empty_like(source)
+    seconds = [statistics.median(timeit.repeat(work, number=1, repeat=repeats + 3)[3:])  # 3 warm up: clocks, pages
+               for work in (lambda: torch.mm(a, a), lambda: target.copy_(source))]
+    return {'name': f'CPU ({os.cpu_count()} cores, measured peaks)', 'slug': 'cpu',
+            'peak_tflops': 2 * n ** 3 / seconds[0] / 1e12, 'bandwidth_gbs': 2 * source.nbytes / seconds[1] / 1e9}
+
+
+def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
+    """(row, train config): the start row at --big-batch and --precision, eager off CUDA."""
+    row = start_row(bench, device)
+    row = dataclasses.replace(row, batch_size=bench.big_batch, amp={'fp32': 'off'}.get(bench.precision, 'bf16'),
+                              compile=row.compile and device.type == 'cuda')
+    return row, row_train_config(row, bench, device, 'shapes')
+
+
+def run_roofline(bench: BenchConfig) -> dict:
+    """The start row's step at --big-batch and --precision, counted (count_step) and bounded
+    (roofline_bounds); with --profile, also run and profiled here, each category's time beside its
+    bound (on a CPU: its own measured peaks, the step run eagerly, a profile of aten ops)."""
+    device = pick_device(bench.device)
+    bench, target = resolve(bench, device), roofline_target(bench, device)
+    counted_on = device if bench.profile else torch.device('cuda')  # the GPU's step, wherever it is counted
+    row, cfg = roofline_step(bench, counted_on)
+    print(f'counting a step: {bench.preset}, {row.name}, {bench.precision}, batch {cfg.batch_size}', flush=True)
+    ops = count_step(cfg, cuda=counted_on.type == 'cuda')
+    target = target or cpu_peaks(bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
+    bounds = roofline_bounds(ops, cfg.batch_size, target['peak_tflops'], target['bandwidth_gbs'])
+    flops = {'train': 1e9 * bounds['total']['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
+    result = {**header(bench, device, flops, 'shapes'), 'target': target, 'row': row.name, 'settings': asdict(row),
+              'precision': bench.precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
+    if bench.profile:
+        print(f'profiling the same step on {device_name(device)} ...', flush=True)
+        images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size))
+        prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
+                                     bench.quick)
+        categories = {**bounds['categories'], 'total': bounds['total']}
+        for c in categories.values():
+            c['measured_ms'] = 0.0
+        for op in profile_rows(prof, device, active):
+            for name in (ROOFLINE_CATEGORIES[op['category']], 'total'):
+                categories[name]['measured_ms'] += op['ms_per_iter']
+        result['cases']['measured'] = ceiling(bounds['total']['measured_ms'], cfg.batch_size, bounds['total'])
+        result['measured_against'] = 'fused' if row.compile else 'eager'
+    write_roofline(result, bench, bench.stem or f"{target['slug']}-{bench.preset}-roofline")
+    return result
+
+
+def write_roofline(result: dict, bench: BenchConfig, stem: str):
+    """Bounds per category and in total, the measured times beside them; the step's ceilings; a
+    stacked bar chart of the cases."""
+    target, cases, against = result['target'], result['cases'], result.get('measured_against')
+
+    def measured(c):
+        ms, bound = c['measured_ms'], c[f'{against}_ms']
+        return ([f'{ms:.3f}', fmt(ms / bound if bound else None, '.2f'), f'{bound / ms:.1%}'] if ms
+                else ['(profiled with the elementwise ops)', '', ''])
+    labels = {'eager': 'every op its own kernel (eager)', 'fused': 'elementwise fused into its neighbours',
+              'flops': 'FLOPs alone', 'measured': 'measured (profile: self times summed)'}
+    table = '\n\n'.join([markdown_table(
+        ['Category', 'GFLOP/image', 'MB/image', 'eager bound (ms/step)', 'fused bound', 'FLOPs alone'] + (
+            ['measured (ms/step)', f'measured / {against} bound', 'share of the bound reached'] if against else []),
+        [[name, f"{c['gflop_per_image']:.3f}", f"{c['mb_per_image']:.2f}", f"{c['eager_ms']:.3f}",
+          f"{c['fused_ms']:.3f}", f"{c['flops_ms']:.3f}"] + (measured(c) if against else [])
+         for name, c in {**result['categories'], 'total': result['total']}.items()]),
+        markdown_table(['Case', 'ms/step', 'img/s', 'MFU'], [
+            [labels[k], f"{c['ms_per_step']:.3f}", f"{c['img_per_s']:,.0f}", f"{c['mfu']:.1%}"]
+            for k, c in cases.items()]), f'The fused case assumes: {FUSED_ASSUMPTIONS}.'])
+    what = (f"{result['preset']} at {result['image_size']}x{result['image_size']}, {result['precision']}, batch "
+            f"{result['batch_size']}, on {target['name']}")
+    png = write_report(bench.out_dir, stem, result, f'The physical limit: {what}', table, notes=(
+        f"; peaks {target['peak_tflops']:.4g} TFLOP/s, {target['bandwidth_gbs']:,.4g} GB/s; one step of "
+        f"'{result['row']}' counted op by op ({result['ops_counted']} ops, each reading its inputs and writing its "
+        f"outputs at their dtypes)" + ('; measured: a profile of that step here' if against else '')))
+    fig, ax = pyplot().subplots(figsize=(11, 0.6 * len(cases) + 2))
+    for i, case in enumerate(cases):
+        widths = [c[f'{case}_ms'] for c in result['categories'].values()]
+        for j, name in enumerate(result['categories']):
+            ax.barh(labels[case], widths[j], left=sum(widths[:j]), color=f'C{j}', label=None if i else name)
+    ax.invert_yaxis()
+    ax.set_xlabel('ms per training step')
+    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))
+    ax.set_title(f"{what}, torch {result['torch']}", fontsize=9)
     save_figure(fig, png, dpi=110)
     print(table)
 
+
+# ----------------------------------------------------------------------------- sweeps and data paths
 
 def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -> list:
     """Variants of the best row along one setting."""
@@ -1184,12 +1015,10 @@ def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -
         sizes = values or ([4, 8, 16] if bench.quick else [64, 128, 256, 512, 1024, 2048, 4096])
         return [dataclasses.replace(best, name=f'batch {b}', batch_size=b) for b in sizes]
     if kind == 'workers':
-        counts = values or ([0, 2] if bench.quick else [0, 2, 4, 8])
         return [dataclasses.replace(best, name=f'torch loader, {n} workers', loader='torch', num_workers=n)
-                for n in counts]
+                for n in values or ([0, 2] if bench.quick else [0, 2, 4, 8])]
     if kind == 'amp':
-        precisions = ['off', 'bf16'] + (['fp16'] if cuda else [])
-        return [dataclasses.replace(best, name=f'amp {p}', amp=p) for p in precisions]
+        return [dataclasses.replace(best, name=f'amp {p}', amp=p) for p in ['off', 'bf16'] + (['fp16'] if cuda else [])]
     modes = ['default'] + (['max-autotune-no-cudagraphs', 'reduce-overhead', 'max-autotune'] if cuda else [])
     return [dataclasses.replace(best, name='eager', compile=False)] + [
         dataclasses.replace(best, name=f'compile {m}', compile=True, compile_mode=m) for m in modes]
@@ -1197,37 +1026,30 @@ def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -
 
 def run_sweep(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    best = start_row(bench, device)
-    results = []
+    best, results = start_row(bench, device), []
     for row in sweep_rows(bench.sweep, best, bench, device):
         print(f'{row.name} ...', flush=True)
         results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
     add_speedups(results)  # relative to the sweep's first point
-    meta = header(bench, device, flops, dataset_name)
-    stem = output_stem(bench, device, f'sweep-{bench.sweep}')
-    table = markdown_table(results, [])
-    png = write_report(bench, stem, {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
-                       f"Sweep of {bench.sweep} around '{best.name}': {meta['preset']} on {meta['device']}", table)
-    sweep_plot(results, bench.sweep, meta, png)
-    print(table)
-    return {**meta, 'rows': results}
-
-
-def sweep_plot(results: list, kind: str, meta: dict, path: str):
-    plt = pyplot()
+    meta, table = header(bench, device, flops, dataset_name), ladder_table(results)
+    png = write_report(bench.out_dir, output_stem(bench, device, f'sweep-{bench.sweep}'),
+                       {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
+                       f"Sweep of {bench.sweep} around '{best.name}': {bench.preset} on {meta['device']}", table)
     measured = [r for r in results if 'img_per_s' in r]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    labels = [str(r['batch_size']) if kind == 'batch' else r['name'] for r in measured]
+    fig, ax = pyplot().subplots(figsize=(7, 4))
+    labels = [str(r['batch_size']) if bench.sweep == 'batch' else r['name'] for r in measured]
     ax.plot(labels, [r['img_per_s'] for r in measured], 'o-', color='tab:blue')
     ax.set_ylabel('training img/s', color='tab:blue')
-    ax.set_xlabel('batch size' if kind == 'batch' else kind)
+    ax.set_xlabel('batch size' if bench.sweep == 'batch' else bench.sweep)
     if any(r.get('mfu') for r in measured):
         twin = ax.twinx()
         twin.plot(labels, [100 * (r['mfu'] or 0) for r in measured], 's--', color='tab:orange')
         twin.set_ylabel('MFU (%)', color='tab:orange')
     ax.tick_params(axis='x', labelrotation=20, labelsize=8)
-    ax.set_title(f"{meta['preset']}: sweep of {kind}, {meta['device']}, torch {meta['torch']}", fontsize=9)
-    save_figure(fig, path, dpi=110)
+    ax.set_title(f"{bench.preset}: sweep of {bench.sweep}, {meta['device']}, torch {meta['torch']}", fontsize=9)
+    save_figure(fig, png, dpi=110)
+    print(table)
+    return {**meta, 'rows': results}
 
 
 def time_loader(loader, num_batches: int, device: torch.device) -> float:
@@ -1247,75 +1069,54 @@ def time_loader(loader, num_batches: int, device: torch.device) -> float:
 def run_loader_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     best = start_row(bench, device)
-    batch, num_batches = best.batch_size, (5 if bench.quick else 100)
-    paths = [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', None), ('ffcv', None)]
-    results = []
-    for kind, workers in paths:
-        name = f'torch DataLoader, {workers} workers' if kind == 'torch' else {
-            'gpu': 'gpu (device-resident)', 'ffcv': 'FFCV'}[kind]
+    batch, num_batches, results = best.batch_size, (5 if bench.quick else 100), []
+    for kind, workers in [('torch', n) for n in ([0, 2] if bench.quick else [0, 2, 4, 8])] + [('gpu', 0), ('ffcv', 0)]:
+        name = {'torch': f'torch DataLoader, {workers} workers', 'gpu': 'gpu (device-resident)', 'ffcv': 'FFCV'}[kind]
         print(f'{name} ...', flush=True)
-        reason = data.ffcv_missing_reason() if kind == 'ffcv' else None
-        if reason:
-            results.append({'name': name, 'skipped': reason})
+        if kind == 'ffcv' and data.ffcv_missing_reason():
+            results.append({'name': name, 'skipped': data.ffcv_missing_reason()})
             continue
-        source = beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset
         workers = bench.num_workers if kind == 'ffcv' else workers
-        loader = data.make_loader(kind, source, batch, bench.seed, device, workers or 0, progress=False)
-        if kind == 'ffcv':
-            name = f'FFCV ({loader.num_workers} threads)'
-        results.append({'name': name, 'loader': kind, 'num_workers': workers,
-                        'img_per_s': time_loader(loader, num_batches, device)})
+        loader = data.make_loader(kind, beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset, batch,
+                                  bench.seed, device, workers, progress=False)
+        results.append({'name': f'FFCV ({loader.num_workers} threads)' if kind == 'ffcv' else name, 'loader': kind,
+                        'num_workers': workers, 'img_per_s': time_loader(loader, num_batches, device)})
         del loader
-    consumption = measure_row(best, bench, device, dataset, dataset_name, flops)
-    meta = header(bench, device, flops, dataset_name)
-    result = {**meta, 'batch_size': batch, 'step_row': best.name, 'step_img_per_s': consumption.get('img_per_s'),
-              'loaders': results}
-    stem = output_stem(bench, device, 'loaders')
-    lines = ['| Loader | img/s | x the step\'s consumption |', '| :- | -: | -: |']
-    for r in results:
-        if 'skipped' in r:
-            lines.append(f"| {r['name']} | skipped: {r['skipped']} | |")
-        else:
-            ratio = r['img_per_s'] / result['step_img_per_s'] if result['step_img_per_s'] else None
-            lines.append(f"| {r['name']} | {r['img_per_s']:,.0f} | {fmt(ratio, '.1f')} |")
-    table = '\n'.join(lines)
-    loader_plot(result, write_report(bench, stem, result, f"Data paths: images/s delivered to {meta['device']} "
-                                                          f"({dataset_name}, batch {batch})", table,
-                                     notes=f"; the training step ('{best.name}') consumes "
-                                           f"{fmt(result['step_img_per_s'], ',.0f')} img/s."))
+    step = measure_row(best, bench, device, dataset, dataset_name, flops).get('img_per_s')
+    result = {**header(bench, device, flops, dataset_name), 'batch_size': batch, 'step_row': best.name,
+              'step_img_per_s': step, 'loaders': results}
+    table = markdown_table(['Loader', 'img/s', 'x the step\'s consumption'], [
+        [r['name'], f"skipped: {r['skipped']}", ''] if 'skipped' in r else
+        [r['name'], f"{r['img_per_s']:,.0f}", fmt(r['img_per_s'] / step if step else None, '.1f')] for r in results])
+    png = write_report(bench.out_dir, output_stem(bench, device, 'loaders'), result,
+                       f"Data paths: images/s delivered to {result['device']} ({dataset_name}, batch {batch})", table,
+                       notes=f"; the training step ('{best.name}') consumes {fmt(step, ',.0f')} img/s.")
+    measured = [r for r in results if 'img_per_s' in r]
+    bar_chart(png, [r['name'] for r in measured], [r['img_per_s'] for r in measured],
+              f"data paths, {bench.preset}, {result['device']}, torch {result['torch']}",
+              'images per second delivered (log scale)', ['tab:green'] * len(measured), log=True,
+              lines={'training step consumes': step, '2x the step (target)': 2 * step} if step else None)
     print(table)
     return result
 
 
-def loader_plot(result: dict, path: str):
-    plt = pyplot()
-    measured = [r for r in result['loaders'] if 'img_per_s' in r]
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(measured) + 1.5))
-    ax.barh([r['name'] for r in measured][::-1], [r['img_per_s'] for r in measured][::-1], color='tab:green')
-    if result['step_img_per_s']:
-        ax.axvline(result['step_img_per_s'], color='tab:red', linestyle='--', label='training step consumes')
-        ax.axvline(2 * result['step_img_per_s'], color='tab:red', linestyle=':', label='2x the step (target)')
-        ax.legend(fontsize=8)
-    ax.set_xscale('log')
-    ax.set_xlabel('images per second delivered (log scale)')
-    ax.set_title(f"data paths, {result['preset']}, {result['device']}, torch {result['torch']}", fontsize=9)
-    save_figure(fig, path, dpi=110)
-
+# ----------------------------------------------------------------------------- main
 
 # The modes besides the ladder: the flag that asks for each, and what runs it.
-MODES = {'profile': profile_best_row, 'sweep': run_sweep, 'loader_only': run_loader_only, 'quality': run_quality,
-         'sampling_only': run_sampling_only, 'solver_accuracy': run_solver_accuracy}
+MODES = {'roofline': run_roofline, 'profile': profile_best_row, 'sweep': run_sweep, 'loader_only': run_loader_only,
+         'quality': run_quality, 'sampling_only': run_sampling_only}
 
 
 def validate(bench: BenchConfig) -> BenchConfig:
     """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
     check_ranges(bench)
     device = pick_device(bench.device)
+    bench = dataclasses.replace(bench, preset=bench.preset or resolve(bench, device).preset)
     modes = [name for name in MODES if getattr(bench, name)]
-    if len(modes) > 1:
+    if len(modes) > 1 and modes != ['roofline', 'profile']:  # --roofline --profile: the bound beside a profile
         raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
     try:
-        get_config(bench.preset, image_size=bench.image_size)
+        model_config(bench)
     except ValueError as error:
         raise ConfigError(f'--image-size {bench.image_size}: {error}') from None
     if bench.rows:
@@ -1325,6 +1126,8 @@ def validate(bench: BenchConfig) -> BenchConfig:
             raise ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: {'; '.join(names)}")
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
+    if bench.roofline:
+        roofline_target(bench, device)
     if bench.stem and (os.path.basename(bench.stem) != bench.stem or bench.stem in ('.', '..')):
         raise ConfigError(f'--stem {bench.stem!r}: a plain file name (no folders); --out-dir sets where it goes')
     try:

@@ -8,7 +8,9 @@
 - Files are written whole or not at all: `atomic_open` / `atomic_path`; one run per output
   folder: `claim_folder`; a JSON-lines log, mirrored to TensorBoard on request: `JsonLines`.
 - A stop that lets the work finish its step: `StopFlag` (SIGTERM, Ctrl-C).
-- The device: `pick_device`, `synchronize`, `autocast`; plots without a display: `pyplot`, `save_figure`.
+- The device: `pick_device`, `synchronize`, `autocast`, and the GPUs' peaks that MFU is measured
+  against (`peak_tflops`); reports with their provenance (`write_report`, `markdown_table`) and
+  plots without a display (`pyplot`, `save_figure`), for benchmark.py and scripts/ alike.
 - Ranks under torchrun: `setup_distributed`, `init_process_group` and the small collectives the
   scripts agree through (`any_rank`, `on_all_ranks`, `gather_to_rank0`, `ranks_identical`).
 
@@ -220,22 +222,41 @@ class StopFlag:
 # ----------------------------------------------------------------------------- files
 
 @contextlib.contextmanager
-def atomic_path(path: str, durable: bool = True):
-    """Yields PATH.tmp to write; once written it is renamed over `path`, so a crash leaves the
-    previous file whole. `durable`: flushed to disk first (so a power loss cannot leave an empty
-    file either), as checkpoints must be. If writing fails (a full disk), PATH.tmp is removed."""
+def atomic_path(path: str, durable: bool = True, unique: bool = False):
+    """Yields PATH.tmp to write, a file or a folder; once written it is renamed over `path`, so a
+    crash leaves the previous file whole. `durable`: flushed to disk first (so a power loss cannot
+    leave an empty file either), as checkpoints must be. `unique`: PATH.tmp-PID, so that concurrent
+    writers never share one (of two folders, the one renamed second is discarded: the first is
+    whole). If writing fails (a full disk), the temporary is removed."""
     os.makedirs(os.path.dirname(path) or '.', exist_ok=True)
-    tmp = path + '.tmp'
+    tmp = f'{path}.tmp-{os.getpid()}' if unique else path + '.tmp'
     try:
         yield tmp
         if durable:
             with open(tmp, 'rb+') as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError:
+            if not (unique and os.path.isdir(tmp) and os.path.isdir(path)):
+                raise
+            _remove(tmp)  # another writer's folder is in place
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        _remove(tmp)
         raise
+
+
+def _remove(path: str):
+    with contextlib.suppress(OSError):
+        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def remove_dead_writers(path: str):
+    """Removes PATH.tmp-PID left by writers (atomic_path(unique=True)) killed on this host."""
+    for leftover in glob.glob(glob.escape(path) + '.tmp-*'):
+        pid = leftover.rsplit('-', 1)[-1]
+        if pid.isdigit() and _dead_here({'host': socket.gethostname(), 'pid': int(pid)}):
+            _remove(leftover)
 
 
 @contextlib.contextmanager
@@ -444,6 +465,96 @@ def autocast(amp: str, device: torch.device):
     """Autocast at 'bf16' or 'fp16'; 'off' runs as the weights are (fp32)."""
     dtype = {'bf16': torch.bfloat16, 'fp16': torch.float16}.get(amp)
     return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
+
+
+# Dense (no sparsity) peak TFLOP/s by precision, from NVIDIA's data sheets. 'tf32' is what
+# fp32 convolutions and matmuls reach when TF32 is allowed; 'fp32' is plain CUDA-core FP32.
+GPU_PEAK_TFLOPS = {
+    'H200': {'fp32': 67.0, 'tf32': 494.5, 'bf16': 989.5, 'fp16': 989.5},
+    'H100 SXM': {'fp32': 67.0, 'tf32': 494.5, 'bf16': 989.5, 'fp16': 989.5},
+    'H100 NVL': {'fp32': 60.0, 'tf32': 417.5, 'bf16': 835.5, 'fp16': 835.5},
+    'H100 PCIe': {'fp32': 51.0, 'tf32': 378.0, 'bf16': 756.0, 'fp16': 756.0},
+    'A100': {'fp32': 19.5, 'tf32': 156.0, 'bf16': 312.0, 'fp16': 312.0},
+    'L40S': {'fp32': 91.6, 'tf32': 183.0, 'bf16': 362.05, 'fp16': 362.05},
+    'A10G': {'fp32': 31.2, 'tf32': 62.5, 'bf16': 125.0, 'fp16': 125.0},
+    'RTX 4090': {'fp32': 82.6, 'tf32': 82.6, 'bf16': 165.2, 'fp16': 165.2},
+    'RTX 3090': {'fp32': 35.6, 'tf32': 35.6, 'bf16': 71.0, 'fp16': 71.0},
+}
+A100_PEAK_TFLOPS = GPU_PEAK_TFLOPS['A100']
+
+
+def gpu_peak_key(device_name: str):
+    """Maps a CUDA device name ('NVIDIA H100 80GB HBM3') to a GPU_PEAK_TFLOPS key, or None."""
+    name = device_name.upper()
+    if 'H200' in name:
+        return 'H200'
+    if 'H100' in name:
+        if 'NVL' in name:
+            return 'H100 NVL'
+        return 'H100 PCIe' if 'PCIE' in name else 'H100 SXM'
+    for key in ('A100', 'L40S', 'A10G', 'RTX 4090', 'RTX 3090'):
+        if key.replace('RTX ', '') in name:
+            return key
+    return None
+
+
+def precision_of(amp: str, device: torch.device) -> str:
+    """The precision a run computes in, as GPU_PEAK_TFLOPS names it: its autocast dtype, else
+    fp32, or tf32 where CUDA lets fp32 convolutions use TF32 tensor cores."""
+    if amp != 'off':
+        return amp
+    return 'tf32' if device.type == 'cuda' and torch.backends.cudnn.allow_tf32 else 'fp32'
+
+
+def peak_tflops(device_name: str, precision: str):
+    """Dense peak for a device name and 'fp32' | 'tf32' | 'bf16' | 'fp16'; None if unknown."""
+    key = gpu_peak_key(device_name)
+    return GPU_PEAK_TFLOPS[key][precision] if key else None
+
+
+# ----------------------------------------------------------------------------- reports
+
+def git_commit() -> str:
+    """The checkout's commit, '-dirty' when tracked files differ from it: what a report was made by."""
+    import subprocess
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        run = lambda *args: subprocess.run(['git', *args], cwd=here, capture_output=True, text=True)  # noqa: E731
+        commit = run('rev-parse', 'HEAD').stdout.strip() or 'unknown'
+        return commit + ('-dirty' if run('status', '--porcelain', '--untracked-files=no').stdout.strip() else '')
+    except OSError:
+        return 'unknown'
+
+
+def provenance(device: str) -> dict:
+    """What every report states beside its numbers: the device, torch, the date, the commit, the command."""
+    return {'device': device, 'torch': torch.__version__,
+            'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+            'commit': git_commit(), 'command': 'python ' + ' '.join(sys.argv)}
+
+
+def fmt(value, spec: str, missing: str = 'n/a') -> str:
+    return missing if value is None else format(value, spec)
+
+
+def markdown_table(headers: list, rows: list, left: int = 1) -> str:
+    """A Markdown table: the first `left` columns aligned left (names), the others right (numbers)."""
+    lines = ['| ' + ' | '.join(headers) + ' |', '| ' + ' | '.join(':-' if i < left else '-:'
+                                                                   for i in range(len(headers))) + ' |']
+    return '\n'.join(lines + ['| ' + ' | '.join(str(cell) for cell in row) + ' |' for row in rows])
+
+
+def write_report(out_dir: str, stem: str, result: dict, title: str, body: str, notes: str = '') -> str:
+    """OUT_DIR/STEM.json (the result, with its provenance) and STEM.md (the title; device, torch,
+    date, commit; `notes`; the command; the `body`), each written whole or not at all. Returns the
+    path of the .png that goes beside them (each caller draws its own)."""
+    path = os.path.join(out_dir, stem)
+    markdown = (f"# {title}\n\n{result['device']}, torch {result['torch']}, {result['date']}, commit "
+                f"{result['commit']}{notes}\n\nCommand: `{result['command']}`\n\n{body}\n")
+    for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown)):
+        with atomic_open(path + ext) as f:
+            f.write(text)
+    return path + '.png'
 
 
 def pyplot():

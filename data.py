@@ -1,14 +1,15 @@
 """Data sets and loaders. Every loader yields float images in [-1, 1] on the device.
 
-Data sets hold uint8 images (N, 3, H, W): `cifar10` (torchvision), `folder` (any tree of
-PNG/JPEG files) and `shapes` (procedural, no download). Loaders: `gpu` keeps the whole
-uint8 set on the device and gathers, flips and converts each batch there, with no host
-work per step; `torch` is a DataLoader with workers and pinned memory; `ffcv` reads a
-.beton file (optional). The order of each epoch (a permutation and a flip per image) is a
-function of (seed, epoch) alone, the same for every loader, so that a resumed run sees
-exactly the batches an uninterrupted one would have.
+Data sets hold uint8 images (N, C, H, W): `cifar10` (torchvision), `folder` (any tree of
+PNG/JPEG files) and `shapes` (procedural, no download), RGB; `digits` (scikit-learn's 1,797
+handwritten digits, no download), one channel, split once into training and held-out parts.
+Loaders: `gpu` keeps the whole uint8 set on the device and gathers, flips and converts each
+batch there, with no host work per step; `torch` is a DataLoader with workers and pinned
+memory; `ffcv` reads a .beton file (optional). The order of each epoch (a permutation and a
+flip per image, no flips for digits) is a function of (seed, epoch) alone, the same for every
+loader, so that a resumed run sees exactly the batches an uninterrupted one would have.
 
-    python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes   # a .beton for FFCV
+    python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes|digits   # a .beton for FFCV
 """
 import functools
 import os
@@ -27,9 +28,11 @@ from cli import ConfigError, atomic_path, brief, check_ranges, check_writable, f
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
 HIGH_BIT_DEPTH_MODES = ('I;16', 'I;16B', 'I;16L', 'I;16N', 'I')
-DATASETS = ('cifar10', 'folder', 'shapes', 'beton')
+DATASETS = ('cifar10', 'folder', 'shapes', 'digits', 'beton')
 LOADERS = ('auto', 'gpu', 'torch', 'ffcv')
 SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own stream
+DIGITS_HELDOUT_SHARE = 0.25  # of each class: 450 held-out digits, 1,347 for training
+DIGITS_SPLIT_SEED = 0  # the split is fixed: every run, seed and script holds out the same digits
 
 
 class DataError(Exception):
@@ -40,7 +43,7 @@ class DataError(Exception):
 # ----------------------------------------------------------------------------- data sets
 
 class ImageTensorDataset(Dataset):
-    """An in-memory uint8 image set: `images` is (N, 3, H, W)."""
+    """An in-memory uint8 image set: `images` is (N, C, H, W)."""
 
     def __init__(self, images: torch.Tensor):
         self.images = images
@@ -163,9 +166,10 @@ def resize_images(images: torch.Tensor, image_size: int) -> torch.Tensor:
     return resized.round().clamp(0, 255).to(torch.uint8)
 
 
-def load_cifar10(data_dir: str, train: bool, download: bool = True) -> torch.Tensor:
+def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = '--dataset') -> torch.Tensor:
     """CIFAR-10 through torchvision, as (N, 3, 32, 32) uint8; downloads into data_dir if it
-    is missing, and says what to pass instead when that is impossible (offline)."""
+    is missing, and says what to pass instead when that is impossible (offline): `flag` is the
+    caller's flag that names the data set."""
     from torchvision.datasets import CIFAR10
     try:
         return _cifar10_images(CIFAR10(data_dir, train=train, download=False))
@@ -173,7 +177,7 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True) -> torch.Ten
         pass  # not there (or corrupt): try the download
     hint = (f"put the python version of CIFAR-10 (cifar-10-batches-py/ from "
             f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz) under {data_dir!r} or pass "
-            f"--data-dir to where it is; or train without it: --dataset shapes, or --dataset folder --data-dir DIR")
+            f"--data-dir to where it is; or do without it: {flag} shapes, or {flag} folder --data-dir DIR")
     if not download:
         raise DataError(f'CIFAR-10 not found in {data_dir!r}: {hint}')
     previous_timeout = socket.getdefaulttimeout()
@@ -227,6 +231,39 @@ def _draw_shapes(rng, n: int, image_size: int) -> np.ndarray:
     return np.round(small * 255).astype(np.uint8)
 
 
+def load_digits_split(image_size: int, heldout: bool) -> tuple:
+    """scikit-learn's handwritten digits (UCI; 8x8, 17 grey levels, ink bright on black), one of
+    the two parts of a stratified split fixed by DIGITS_SPLIT_SEED: (uint8 (N, 1, S, S), labels (N,)).
+    Levels 0..16 become 0..255; the 8x8 images are resized (bicubic) to image_size."""
+    images, labels = _digits_split(heldout)
+    return resize_images(images, image_size), labels
+
+
+@functools.lru_cache(maxsize=2)
+def _digits_split(heldout: bool) -> tuple:
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise DataError('--dataset digits reads the digits shipped with scikit-learn: pip install scikit-learn') from None
+    digits = load_digits()
+    levels = np.round(digits.images * (255 / 16)).astype(np.uint8)[:, None]  # (1797, 1, 8, 8)
+    parts = train_test_split(levels, digits.target, test_size=DIGITS_HELDOUT_SHARE, stratify=digits.target,
+                             random_state=DIGITS_SPLIT_SEED)
+    images, labels = (parts[1], parts[3]) if heldout else (parts[0], parts[2])
+    return torch.from_numpy(images), torch.from_numpy(labels)
+
+
+def channels_of(name: str) -> int:
+    """Colour channels of a data set's images, which the UNet's input and output follow."""
+    return 1 if name == 'digits' else 3
+
+
+def flipped_in_training(name: str) -> bool:
+    """Random horizontal flips, except for digits: a mirrored 2 or 7 is not a digit."""
+    return name != 'digits'
+
+
 def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 8192) -> Dataset:
     """The training set: an ImageTensorDataset, a lazily decoded ImageFolderDataset, or the
     images of a .beton file (BetonDataset)."""
@@ -236,6 +273,8 @@ def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 
         return ImageTensorDataset(resize_images(load_cifar10(data_dir, train=True), image_size))
     if name == 'shapes':
         return ImageTensorDataset(make_shapes(shapes_count, image_size, seed=0))
+    if name == 'digits':
+        return ImageTensorDataset(load_digits_split(image_size, heldout=False)[0])
     if name == 'folder':
         dataset = ImageFolderDataset(data_dir, image_size)
         check_images(dataset.paths)
@@ -256,11 +295,14 @@ def first_image(dataset: Dataset, image_size: int, data_dir: str) -> torch.Tenso
 
 def load_heldout(name: str, data_dir: str, image_size: int, count: int) -> torch.Tensor:
     """A fixed set of images for the held-out loss: CIFAR-10's test split, shapes from another
-    seed, or, for a folder or .beton (no split), its first `count` images."""
+    seed, the held-out digits, or, for a folder or .beton (no split), its first `count` images.
+    A split holds what it holds: fewer than `count` images where it is smaller."""
     if name == 'cifar10':
         return resize_images(load_cifar10(data_dir, train=False)[:count], image_size)
     if name == 'shapes':
         return make_shapes(count, image_size, seed=SHAPES_HELDOUT_SEED)
+    if name == 'digits':
+        return load_digits_split(image_size, heldout=True)[0][:count]
     if name == 'beton':
         dataset = BetonDataset(data_dir)
         return dataset.images(range(min(count, len(dataset))))
@@ -269,7 +311,7 @@ def load_heldout(name: str, data_dir: str, image_size: int, count: int) -> torch
 
 
 def dataset_images(dataset: Dataset, progress: bool = True) -> torch.Tensor:
-    """The whole set as one (N, 3, H, W) uint8 tensor (decoding a folder if needed)."""
+    """The whole set as one (N, C, H, W) uint8 tensor (decoding a folder if needed)."""
     if isinstance(dataset, ImageTensorDataset):
         return dataset.images
     return dataset.to_tensor(progress)  # ImageFolderDataset, BetonDataset
@@ -311,7 +353,7 @@ def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_model_input(images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
-    """uint8 (B, 3, H, W) and (B,) flip flags -> float32 in [-1, 1], flipped where asked."""
+    """uint8 (B, C, H, W) and (B,) flip flags -> float32 in [-1, 1], flipped where asked."""
     images = torch.where(flips[:, None, None, None], images.flip(-1), images)
     return images.float() / 127.5 - 1.0
 
@@ -320,11 +362,13 @@ class Loader:
     """Batches of one rank: `epoch(e, start)` yields batches start, start+1, ... of epoch e.
 
     Each rank takes every world_size-th image of the epoch's permutation, and every epoch
-    has num_images // world_size // batch_size full batches (drop-last)."""
+    has num_images // world_size // batch_size full batches (drop-last). flip=False: no image
+    is flipped (the permutation is the same)."""
 
-    def __init__(self, num_images: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    def __init__(self, num_images: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 flip: bool = True):
         self.num_images, self.batch_size, self.seed = num_images, batch_size, seed
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.flip = rank, world_size, flip
         self.batches_per_epoch = num_images // world_size // batch_size
         if self.batches_per_epoch < 1:
             raise DataError(f'batch size {batch_size * world_size} is larger than the data set '
@@ -332,6 +376,7 @@ class Loader:
 
     def shard(self, epoch: int):
         permutation, flips = epoch_order(self.num_images, self.seed, epoch)
+        flips &= self.flip
         used = self.batches_per_epoch * self.batch_size * self.world_size
         return permutation[self.rank:used:self.world_size], flips[self.rank:used:self.world_size]
 
@@ -339,8 +384,8 @@ class Loader:
 class GPULoader(Loader):
     """The whole uint8 set on the device; gather, flip and convert there: no host work per step."""
 
-    def __init__(self, images: torch.Tensor, batch_size: int, seed: int, device, rank=0, world_size=1):
-        super().__init__(len(images), batch_size, seed, rank, world_size)
+    def __init__(self, images: torch.Tensor, batch_size: int, seed: int, device, rank=0, world_size=1, flip=True):
+        super().__init__(len(images), batch_size, seed, rank, world_size, flip)
         self.images = images.to(device)
         self.device = device
 
@@ -369,8 +414,8 @@ class TorchLoader(Loader):
     the conversion to float and the flips happen on the device."""
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
-                 rank=0, world_size=1):
-        super().__init__(len(dataset), batch_size, seed, rank, world_size)
+                 rank=0, world_size=1, flip=True):
+        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip)
         self.device = torch.device(device)
         self.batch_list = _BatchList()
         # Its own generator: the DataLoader draws a worker seed per epoch, which must not move
@@ -424,7 +469,8 @@ def _require_ffcv():
 
 
 class _HWCImages:
-    """A data set seen as FFCV's writer wants it: index -> (H, W, 3 uint8 array,)."""
+    """A data set seen as FFCV's writer wants it: index -> (H, W, 3 uint8 array,). FFCV's image
+    field holds three channels: a one-channel image is stored grey in all three."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -433,7 +479,7 @@ class _HWCImages:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        return (self.dataset[index].permute(1, 2, 0).contiguous().numpy(),)
+        return (self.dataset[index].expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy(),)
 
 
 def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: int = 90, num_workers: int = 4):
@@ -443,7 +489,7 @@ def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: i
     from ffcv.fields import RGBImageField
     from ffcv.writer import DatasetWriter
     field = RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)
-    with atomic_path(path) as tmp:
+    with atomic_path(path, unique=True) as tmp:  # concurrent writers of one .beton never share a file
         DatasetWriter(tmp, {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
 
 
@@ -503,10 +549,10 @@ class FFCVLoader(Loader):
     loaders' (flips and conversion run on the device, like theirs)."""
 
     def __init__(self, dataset: BetonDataset, batch_size: int, seed: int, device, num_workers: int = 4,
-                 rank=0, world_size=1):
+                 rank=0, world_size=1, flip=True):
         from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
         import numba
-        super().__init__(len(dataset), batch_size, seed, rank, world_size)
+        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip)
         self.device = torch.device(device)
         self.num_workers = max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS))  # numba's ceiling: the cores
         self.ffcv = FFCVLoaderBase(dataset.path, batch_size=batch_size, num_workers=self.num_workers, drop_last=True,
@@ -522,16 +568,16 @@ class FFCVLoader(Loader):
 
 
 def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
-                rank: int = 0, world_size: int = 1, progress: bool = True):
+                rank: int = 0, world_size: int = 1, progress: bool = True, flip: bool = True):
     if kind == 'gpu':
-        return GPULoader(dataset_images(dataset, progress), batch_size, seed, device, rank, world_size)
+        return GPULoader(dataset_images(dataset, progress), batch_size, seed, device, rank, world_size, flip)
     if kind == 'torch':
-        return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size)
+        return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip)
     if kind == 'ffcv':
         if not isinstance(dataset, BetonDataset):
             raise DataError('--loader ffcv reads a .beton file: pass --data-dir FILE.beton '
                             '(write one with python data.py --write-beton FILE.beton --dataset ...)')
-        return FFCVLoader(dataset, batch_size, seed, device, num_workers, rank, world_size)
+        return FFCVLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip)
     raise DataError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
 
 
@@ -540,7 +586,8 @@ def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device,
 @dataclass
 class BetonConfig:
     write_beton: str = flag('', 'the .beton file to write')
-    dataset: str = flag('cifar10', 'data set to convert', choices=('cifar10', 'folder', 'shapes'))
+    dataset: str = flag('cifar10', 'data set to convert (digits are stored as RGB, grey in all three channels)',
+                        choices=('cifar10', 'folder', 'shapes', 'digits'))
     data_dir: str = flag('./data', 'CIFAR-10 root or image folder')
     image_size: int = flag(32, 'resolution the images are stored at', at_least=1)
     shapes_count: int = flag(8192, 'images in the shapes set', at_least=1)
@@ -563,7 +610,7 @@ def write_beton_main(cfg: BetonConfig):
 
 
 def main(argv=None) -> int:
-    """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes [...]"""
+    """python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes|digits [...]"""
     return run_main(write_beton_main, parse_config(argv, BetonConfig, main.__doc__))
 
 

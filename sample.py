@@ -16,7 +16,9 @@ bits/dim of the EMA, curves.png), since it reuses the code above.
 Exit codes: 0 done (or stopped with what was drawn written), 1 a write failed, 2 bad input, 3
 the model drew NaN or inf.
 """
+import contextlib
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -37,8 +39,12 @@ import diffusion
 from cli import (ConfigError, StopFlag, atomic_open, atomic_path, autocast, brief, check_ranges, check_writable,
                  claim_folder, flag, gather_to_rank0, own_rng, parse_config, pick_device, pyplot, run_main,
                  save_figure)
-from model import (DiffusersConfigError, UNetConfig, count_flops, diffusers_folder, load_diffusers,
-                   model_from_checkpoint, read_checkpoint, save_diffusers)
+from checkpoint import model_from_checkpoint, read_checkpoint, require_finite
+from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
+from model import UNetConfig, count_flops
+
+
+REFERENCE_SETS = ('cifar10', 'shapes', 'digits', 'folder', 'beton')
 
 
 @dataclass
@@ -54,6 +60,10 @@ class SampleConfig:
     eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise; above 1 would ask for more noise than the '
                            'step\'s posterior has)', at_least=0, at_most=1)
     variance: str = flag('fixedlarge', 'DDPM variance', choices=('fixedlarge', 'fixedsmall'))
+    clip: str = flag('auto', 'clipping of the predicted x0 to [-1, 1]: auto is each sampler\'s own (ddpm clips, as the '
+                             'paper\'s sampler; ddim and dpm++ do not, so that more steps converge to the ODE\'s '
+                             'solution); x0 clips it (diffusers\' clip_sample), x0+eps also re-derives eps from it '
+                             '(use_clipped_model_output); none never clips', choices=('auto',) + diffusion.DDIM_CLIPS)
     batch_size: int = flag(256, 'images per sampling batch', at_least=1)
     out: str = flag('samples', 'output folder')
     format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
@@ -65,17 +75,22 @@ class SampleConfig:
     amp: str = flag('auto', 'autocast for sampling (auto: bf16 on CUDA); bits/dim always runs in fp32 unless '
                             'set explicitly', choices=('auto', 'off', 'bf16'))
     compile: typing.Optional[bool] = flag(None, 'torch.compile the model (default: on for CUDA)')
-    fid: bool = flag(False, 'compute FID of the drawn images against --fid-data')
-    fid_data: str = flag('cifar10', 'reference set for FID: cifar10 (train split), shapes, folder or beton '
-                                    '(--data-dir DIR or FILE.beton)', choices=('cifar10', 'shapes', 'folder', 'beton'))
-    data_dir: str = flag('./data', 'where the FID / bits/dim data set lives')
+    fid: bool = flag(False, 'compute FID of the drawn images against --fid-data (for digits: the digits score, in '
+                            'the features of a digit classifier, not Inception)')
+    fid_data: str = flag('auto', 'reference set for FID: cifar10 (train split), shapes, digits (train split), folder '
+                                 'or beton (--data-dir DIR or FILE.beton); auto: digits for a 1-channel model, else '
+                                 'cifar10', choices=('auto',) + REFERENCE_SETS)
+    data_dir: str = flag('./data', 'where the FID / bits/dim data set lives (digits: where the digit classifier is '
+                                   'cached; the digits come with scikit-learn)')
     fid_stats: str = flag('', 'cache of the reference statistics (.npz; default: DATA_DIR/fid_stats_<set>_<size>.npz)')
     inception_weights: str = flag('', 'local InceptionV3 weights for FID (torch-fidelity\'s '
                                       'weights-inception-2015-12-05-6726825d.pth); default: download')
     bpd: bool = flag(False, 'compute the variational bound in bits/dim (T model calls per image)')
-    bpd_data: str = flag('cifar10', 'data set for bits/dim: cifar10 (test split), shapes, folder or beton',
-                         choices=('cifar10', 'shapes', 'folder', 'beton'))
-    bpd_num: int = flag(10000, 'images for bits/dim (CIFAR-10 test has 10000)', at_least=1)
+    bpd_data: str = flag('auto', 'data set for bits/dim: cifar10 (test split), shapes, digits (held-out split), '
+                                 'folder or beton; auto: digits for a 1-channel model, else cifar10',
+                         choices=('auto',) + REFERENCE_SETS)
+    bpd_num: int = flag(10000, 'images for bits/dim, at most what the data set holds (CIFAR-10 test: 10000, '
+                               'held-out digits: 450)', at_least=1)
     export_diffusers: str = flag('', 'instead of sampling, write the checkpoint\'s --weights as a diffusers '
                                      'DDPMPipeline folder here (DDPMPipeline.from_pretrained loads it)')
     bpd_timesteps: int = flag(0, 'bits/dim: 0 for the full bound (T model calls per image), K for its unbiased '
@@ -83,55 +98,21 @@ class SampleConfig:
 
 
 def load_model(path: str, weights: str, device) -> tuple:
-    """(model in eval mode, its UNetConfig, its diffusion.Schedule) from a train.py checkpoint
-    or a diffusers folder."""
+    """(model in eval mode, its UNetConfig, its diffusion.Schedule, what it predicts: 'eps' or 'v')
+    from a train.py checkpoint or a diffusers folder (its scheduler/scheduler_config.json, or the
+    paper's schedule without one)."""
     what = f'--ckpt {path}'
     if os.path.isdir(path):
-        model, sched = load_diffusers_folder(path)
+        model, scheduler = read_diffusers(path, what), diffusers_scheduler(path, what)
+        kind, num_steps, prediction = scheduler['schedule'], scheduler['num_steps'], scheduler['prediction']
     else:
         ckpt = read_checkpoint(path, what)
-        model = model_from_checkpoint(ckpt, weights, what)
-        try:
-            sched = diffusion.make_schedule(1000, ckpt['config']['schedule'])
-        except (KeyError, TypeError, ValueError) as error:
-            raise ConfigError(f'{what}: not a train.py checkpoint (its schedule: {brief(error)})') from None
-    if not all(p.isfinite().all() for p in model.parameters()):
-        raise ConfigError(f'{what}: its {weights} weights are not finite (NaN or inf), so every sample would be; '
-                          f'sample an earlier checkpoint')
-    return model.to(device).requires_grad_(False), model.config, sched
-
-
-def load_diffusers_folder(path: str) -> tuple:
-    """(our UNet, the schedule) from a diffusers UNet2DModel or pipeline folder. The schedule
-    is the pipeline's scheduler/scheduler_config.json where there is one, else the paper's."""
-    try:
-        model = load_diffusers(path)
-    except (DiffusersConfigError, OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
-        # RuntimeError: load_state_dict's tensor mismatches, whose text runs to pages
-        raise ConfigError(f'--ckpt {path}: cannot load it as the paper\'s UNet ({brief(error, 300)})') from None
-    return model, diffusers_schedule(path, diffusers_folder(path))
-
-
-def diffusers_schedule(path: str, unet_folder: str) -> diffusion.Schedule:
-    candidates = [os.path.join(path, 'scheduler', 'scheduler_config.json'),
-                  os.path.join(os.path.dirname(os.path.normpath(unet_folder)), 'scheduler', 'scheduler_config.json')]
-    config_path = next((p for p in candidates if os.path.isfile(p)), None)
-    if config_path is None:
-        return diffusion.make_schedule(1000, 'linear')
-    try:
-        with open(config_path) as f:
-            theirs = json.load(f)
-        if not isinstance(theirs, dict):
-            raise ValueError(f'it holds a {type(theirs).__name__}, not a JSON object')
-    except (OSError, ValueError) as error:
-        raise ConfigError(f'{config_path}: not a scheduler configuration ({brief(error)})') from None
-    kind = {'linear': 'linear', 'squaredcos_cap_v2': 'cosine'}.get(theirs.get('beta_schedule', 'linear'))
-    steps = theirs.get('num_train_timesteps', 1000)
-    paper_betas = (math.isclose(theirs.get('beta_start', 1e-4), 1e-4)
-                   and math.isclose(theirs.get('beta_end', 0.02), 0.02))
-    if kind is None or theirs.get('trained_betas') is not None or (kind == 'linear' and not paper_betas):
-        raise ConfigError(f'{config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are supported')
-    return diffusion.make_schedule(steps, kind)
+        model, num_steps = model_from_checkpoint(ckpt, weights, what), 1000
+        kind, prediction = ckpt['config'].get('schedule'), ckpt['config'].get('prediction', 'eps')
+        if kind not in ('linear', 'cosine') or prediction not in diffusion.PREDICTIONS:
+            raise ConfigError(f'{what}: not a train.py checkpoint (its schedule {kind!r}, prediction {prediction!r})')
+    require_finite(model.state_dict(), f'{what}: its {weights} weights', 'sample an earlier checkpoint')
+    return model.to(device).requires_grad_(False), model.config, diffusion.make_schedule(num_steps, kind), prediction
 
 
 def sampling_amp(amp: str, device: torch.device) -> str:
@@ -144,13 +125,13 @@ class NonFiniteSamples(Exception):
     exit_code = 3
 
 
-def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
-         progress=True, rank: int = 0, world_size: int = 1, batches: list = None) -> typing.Iterator[torch.Tensor]:
-    """Yields uint8 (B, 3, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
+def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device, progress=True,
+         rank: int = 0, world_size: int = 1, batches: list = None, prediction: str = 'eps') -> typing.Iterator[torch.Tensor]:
+    """Yields uint8 (B, C, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
     the device. With world_size > 1 this rank draws batches rank, rank + world_size, ...: the
-    ranks together draw exactly the images one process would. `batches`: only these indices."""
+    ranks together draw exactly the images one process would. `batches`: only these indices;
+    `prediction`: what the model predicts ('eps' or 'v')."""
     sched = sched.to(device)
-    size = config.image_size
     if batches is None:
         batches = list(range(math.ceil(cfg.num / cfg.batch_size)))[rank::world_size]
     starts = [index * cfg.batch_size for index in batches]
@@ -158,24 +139,21 @@ def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig
                unit='img', disable=not progress, leave=False)
     try:
         for start in starts:
-            yield draw_batch(model, sched, cfg, device, start, size)
+            yield draw_batch(model, sched, cfg, device, start, config, prediction)
             bar.update(min(cfg.batch_size, cfg.num - start))
     finally:  # also when a batch fails: the bar's line is cleared before the error is printed
         bar.close()
 
 
-def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, start: int, size: int) -> torch.Tensor:
-    """The batch holding images start, start + 1, ... as uint8 (B, 3, H, W); refused if non-finite."""
-    shape = (min(cfg.batch_size, cfg.num - start), 3, size, size)
+def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, start: int, config: UNetConfig,
+               prediction: str = 'eps') -> torch.Tensor:
+    """The batch holding images start, start + 1, ... as uint8 (B, C, H, W); refused if non-finite."""
+    shape = (min(cfg.batch_size, cfg.num - start), config.in_channels, config.image_size, config.image_size)
     seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
     generator = torch.Generator(device).manual_seed(seed)
     with autocast(sampling_amp(cfg.amp, device), device):
-        if cfg.sampler == 'ddpm':
-            x = diffusion.ddpm_sample(model, sched, shape, generator, device, cfg.variance)
-        elif cfg.sampler == 'dpm++':
-            x = diffusion.dpm_solver_sample(model, sched, shape, cfg.steps, cfg.spacing, generator, device)
-        else:
-            x = diffusion.ddim_sample(model, sched, shape, cfg.steps, cfg.eta, generator, device)
+        x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta, cfg.spacing,
+                                  cfg.variance, prediction, clip=None if cfg.clip == 'auto' else cfg.clip)
     if not x.isfinite().all():
         raise NonFiniteSamples(f'the model drew NaN or inf in batch {start // cfg.batch_size} (images {start} '
                                f'to {start + shape[0] - 1}): it has diverged; nothing of that batch is written')
@@ -183,7 +161,7 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, star
 
 
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] floats to uint8 (B, 3, H, W), rounding to the nearest of 256 levels."""
+    """[-1, 1] floats to uint8 (B, C, H, W), rounding to the nearest of 256 levels."""
     return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
 
 
@@ -219,27 +197,30 @@ def batch_paths(cfg: SampleConfig, index: int) -> list:
 
 
 def npz_path(cfg: SampleConfig, size: int) -> str:
+    """OUT/samples_NxS.npz: one uint8 (N, S, S, C) array."""
     return os.path.join(cfg.out, f'samples_{cfg.num}x{size}.npz')
 
 
 def write_batch(images: torch.Tensor, paths: list, fmt: str):
-    """One batch of uint8 (B, 3, H, W) images, each file written whole or not at all."""
+    """One batch of uint8 (B, C, H, W) images, each file written whole or not at all: PNGs in RGB,
+    or grey ('L') for one channel."""
     from PIL import Image
-    pixels = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, 3)
+    pixels = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
     if fmt == 'npz':
         with atomic_open(paths[0], 'wb', durable=False) as f:
             np.save(f, pixels)
         return
     for path, image in zip(paths, pixels):
         with atomic_open(path, 'wb', durable=False) as f:
-            Image.fromarray(image).save(f, format='png')
+            Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image).save(f, format='png')
 
 
-def assemble_npz(cfg: SampleConfig, size: int, num_batches: int) -> str:
-    """The parts, in order, as one uint8 (N, H, W, 3) array 'arr_0' of an .npz, streamed: memory
+def assemble_npz(cfg: SampleConfig, config: UNetConfig, num_batches: int) -> str:
+    """The parts, in order, as one uint8 (N, H, W, C) array 'arr_0' of an .npz, streamed: memory
     holds one part at a time."""
+    size = config.image_size
     path = npz_path(cfg, size)
-    header = {'descr': '|u1', 'fortran_order': False, 'shape': (cfg.num, size, size, 3)}
+    header = {'descr': '|u1', 'fortran_order': False, 'shape': (cfg.num, size, size, config.in_channels)}
     with atomic_path(path) as tmp, zipfile.ZipFile(tmp, 'w') as archive, \
             archive.open('arr_0.npy', 'w', force_zip64=True) as f:
         np.lib.format.write_array_header_1_0(f, header)
@@ -249,16 +230,18 @@ def assemble_npz(cfg: SampleConfig, size: int, num_batches: int) -> str:
     return path
 
 
-def written_batches(cfg: SampleConfig, size: int) -> typing.Iterator[torch.Tensor]:
-    """The samples on disk, as uint8 (B, 3, H, W) batches: what FID measures (and what any other
+def written_batches(cfg: SampleConfig, config: UNetConfig) -> typing.Iterator[torch.Tensor]:
+    """The samples on disk, as uint8 (B, C, H, W) batches: what FID measures (and what any other
     tool would read)."""
     from PIL import Image
+    size, channels = config.image_size, config.in_channels
     if cfg.format == 'png':
         for index in range(math.ceil(cfg.num / cfg.batch_size)):
             images = []
             for path in batch_paths(cfg, index):
                 with Image.open(path) as image:
-                    images.append(torch.from_numpy(np.asarray(image.convert('RGB')).copy()).permute(2, 0, 1))
+                    pixels = np.asarray(image.convert('L' if channels == 1 else 'RGB')).reshape(size, size, channels)
+                    images.append(torch.from_numpy(pixels.copy()).permute(2, 0, 1))
             yield torch.stack(images)
         return
     with zipfile.ZipFile(npz_path(cfg, size)) as archive, archive.open('arr_0.npy') as f:
@@ -267,18 +250,24 @@ def written_batches(cfg: SampleConfig, size: int) -> typing.Iterator[torch.Tenso
         count = read_header(f)[0][0]
         for start in range(0, count, cfg.batch_size):
             n = min(cfg.batch_size, count - start)
-            yield torch.from_numpy(np.frombuffer(f.read(n * size * size * 3), np.uint8).reshape(n, size, size, 3)
-                                   .copy()).permute(0, 3, 1, 2)
+            pixels = np.frombuffer(f.read(n * size * size * channels), np.uint8).reshape(n, size, size, channels)
+            yield torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2)
 
 
-def continue_or_start(cfg: SampleConfig, size: int) -> list:
-    """The batches still to draw in --out. A folder holding samples of other settings (its
-    samples.json, with samples) is refused; one of the same settings is continued where it stopped."""
+def continue_or_start(cfg: SampleConfig, config: UNetConfig) -> list:
+    """The batches still to draw in --out. Samples are written only into an empty folder or one of
+    ours (its samples.json): a folder of other files is refused, since a user's 000000.png would
+    be overwritten; one holding samples of other settings is refused; one of the same settings is
+    continued where it stopped."""
     settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
+    size, channels = config.image_size, config.in_channels
     batches = range(math.ceil(cfg.num / cfg.batch_size))
     todo = batches
-    holds_samples = any(name.endswith(('.png', '.npz')) for name in os.listdir(cfg.out)) or os.path.isdir(
-        os.path.join(cfg.out, 'parts'))
+    others = sorted(set(os.listdir(cfg.out)) - {'lock', MANIFEST})
+    if others and not os.path.isfile(path):
+        raise ConfigError(f"--out {cfg.out} holds files that sample.py did not write ({', '.join(others[:3])}"
+                          f"{', ...' if len(others) > 3 else ''}; no {MANIFEST}): pass an empty or new folder")
+    holds_samples = any(name.endswith(('.png', '.npz')) for name in others) or 'parts' in others
     if os.path.isfile(path) and holds_samples:
         try:
             with open(path) as f:
@@ -293,7 +282,8 @@ def continue_or_start(cfg: SampleConfig, size: int) -> list:
         todo = [] if cfg.format == 'npz' and os.path.isfile(npz_path(cfg, size)) else \
             [b for b in batches if not os.path.isfile(batch_paths(cfg, b)[-1])]
     count = cfg.num if todo is batches else sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
-    need = count * size * size * 3 * 2 if cfg.format == 'npz' else count * max(size * size * 3, 4096)
+    per_image = size * size * channels  # npz: the parts and the archive; png: a file takes a 4 kB block at least
+    need = count * (2 * per_image if cfg.format == 'npz' else max(per_image, 4096))
     free = shutil.disk_usage(cfg.out).free
     if need > free:
         raise ConfigError(f'--num {cfg.num}: the samples need about {need / 1e9:.1f} GB and {cfg.out} has '
@@ -303,17 +293,18 @@ def continue_or_start(cfg: SampleConfig, size: int) -> list:
     return todo
 
 
-def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
+def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+                   prediction: str = 'eps') -> dict:
     """Draws the batches --out still lacks, writing each as soon as it is drawn (memory: one
     batch); a rerun with the same arguments continues a stopped run, with the images one run
     would have drawn. SIGTERM or Ctrl-C: the batch under way is drawn and written, then the run
     stops (exit 0). The .npz is assembled once every batch is on disk."""
     size, num_batches = config.image_size, math.ceil(cfg.num / cfg.batch_size)
-    todo = continue_or_start(cfg, size)
+    todo = continue_or_start(cfg, config)
     stop, drawn, start = StopFlag(), 0, time.perf_counter()
     restore_signals = stop.install()
     try:
-        for index, images in zip(todo, draw(model, config, sched, cfg, device, batches=todo)):
+        for index, images in zip(todo, draw(model, config, sched, cfg, device, batches=todo, prediction=prediction)):
             write_batch(images, batch_paths(cfg, index), cfg.format)
             drawn += len(images)
             if stop.reason is not None:
@@ -324,7 +315,7 @@ def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Sa
     complete = drawn == sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
     path = cfg.out
     if complete:
-        path = (npz_path(cfg, size) if os.path.isfile(npz_path(cfg, size)) else assemble_npz(cfg, size, num_batches)
+        path = (npz_path(cfg, size) if os.path.isfile(npz_path(cfg, size)) else assemble_npz(cfg, config, num_batches)
                 ) if cfg.format == 'npz' else os.path.join(cfg.out, f'{0:06d}.png ... {cfg.num - 1:06d}.png')
     return {'images': drawn, 'seconds': seconds, 'complete': complete, 'stopped': None if complete else stop.reason,
             'path': path}
@@ -340,16 +331,11 @@ def write_grid_png(images: torch.Tensor, path: str):
 def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
     """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
     time (seed cfg.seed), in cfg.amp, as one PNG."""
-    shape = (cfg.num_samples, 3, cfg.image_size, cfg.image_size)
+    shape = (cfg.num_samples, model.config.in_channels, cfg.image_size, cfg.image_size)
     generator = torch.Generator(device).manual_seed(cfg.seed)
     with autocast(cfg.amp, device):
-        if cfg.sampler == 'ddpm':
-            images = diffusion.ddpm_sample(model, sched, shape, generator, device)
-        elif cfg.sampler == 'dpm++':
-            images = diffusion.dpm_solver_sample(model, sched, shape, cfg.sample_steps, generator=generator,
-                                                 device=device)
-        else:
-            images = diffusion.ddim_sample(model, sched, shape, cfg.sample_steps, generator=generator, device=device)
+        images = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.sample_steps, generator, device,
+                                       prediction=cfg.prediction)
     write_grid_png(to_uint8(images), path)
 
 
@@ -390,14 +376,18 @@ def frechet_distance(stats_a: dict, stats_b: dict) -> float:
     return fid_statistics_to_metric(stats_a, stats_b, verbose=False)[KEY_METRIC_FID]
 
 
-def reference_images(name: str, data_dir: str, image_size: int, split_train: bool) -> torch.Tensor:
+def reference_images(name: str, data_dir: str, image_size: int, split_train: bool,
+                     flag: str = '--fid-data') -> torch.Tensor:
+    """A reference set: the training split (FID) or the held-out one (bits/dim); `flag` names it."""
     if name == 'cifar10':
-        return data.resize_images(data.load_cifar10(data_dir, train=split_train, download=True), image_size)
+        return data.resize_images(data.load_cifar10(data_dir, split_train, True, flag), image_size)
     if name == 'shapes':
         return data.make_shapes(50000 if split_train else 10000, image_size,
                                 seed=0 if split_train else data.SHAPES_HELDOUT_SEED)
+    if name == 'digits':
+        return data.load_digits_split(image_size, heldout=not split_train)[0]
     if name not in ('folder', 'beton'):
-        raise ConfigError(f"unknown data set {name!r}: use cifar10, shapes, folder or beton")
+        raise ConfigError(f"unknown data set {name!r}: use {', '.join(REFERENCE_SETS)}")
     return data.dataset_images(data.load_dataset(name, data_dir, image_size))  # no split: all of it
 
 
@@ -418,10 +408,132 @@ def reference_statistics(name: str, data_dir: str, image_size: int, extractor, b
     return stats
 
 
+# ----------------------------------------------------------------------------- the digits score
+
+# FID's recipe in another feature space: Inception cannot be downloaded everywhere and was never
+# meant for 1-channel digits, so the digits are judged in the features of a small classifier
+# trained on their training split (seconds on a CPU, cached). The statistics and the distances
+# are torch-fidelity's, as for FID.
+DIGITS_CLASSIFIER_VERSION = 1  # part of the cache key: a change to the network or its training retrains it
+DIGITS_TRAINING = {'epochs': 20, 'batch_size': 64, 'lr': 2e-3, 'seed': 0, 'resolution': 16}
+CONFIDENT = 0.9  # a sample labelled with at least this probability counts as a recognisable digit
+
+
+class DigitsClassifier(torch.nn.Module):
+    """Two convolutions and 64 features before a linear read-out of the 10 classes. Every input
+    size is resized to 16x16 first, so one network (and its cost) serves every --image-size."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.body = nn.Sequential(
+            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # (B, 32, 8, 8)
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),  # (B, 64, 4, 4)
+            nn.Flatten(), nn.Linear(64 * 16, 64), nn.ReLU())  # (B, 64): the features
+        self.head = nn.Linear(64, 10)
+
+    def features(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 (B, 1, S, S) -> (B, 64)."""
+        x = torch.nn.functional.interpolate(images.float() / 127.5 - 1, size=DIGITS_TRAINING['resolution'],
+                                            mode='bilinear', antialias=True, align_corners=False)
+        return self.body(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(images))
+
+
+def train_digits_classifier(image_size: int) -> tuple:
+    """(classifier, held-out accuracy): Adam on the training split at image_size, from a fixed
+    seed, on the CPU, leaving the global RNG where it was."""
+    settings = DIGITS_TRAINING
+    images, labels = data.load_digits_split(image_size, heldout=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(settings['seed'])
+        classifier = DigitsClassifier()
+        optimizer = torch.optim.Adam(classifier.parameters(), lr=settings['lr'])
+        for _ in range(settings['epochs']):
+            for batch in torch.randperm(len(images)).split(settings['batch_size']):
+                loss = torch.nn.functional.cross_entropy(classifier(images[batch]), labels[batch])
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+    heldout, heldout_labels = data.load_digits_split(image_size, heldout=True)
+    with torch.no_grad():
+        accuracy = (classifier.eval()(heldout).argmax(1) == heldout_labels).double().mean().item()
+    return classifier, accuracy
+
+
+def digits_classifier(image_size: int, cache_dir: str) -> tuple:
+    """The trained classifier and its held-out accuracy, from CACHE_DIR/digits_classifier_<size>_<key>.pt
+    when there, else trained and cached; the key hashes what decides the weights (the version,
+    the settings, the image size and the training images)."""
+    import hashlib
+    images = data.load_digits_split(image_size, heldout=False)[0]
+    key = hashlib.sha256(json.dumps([DIGITS_CLASSIFIER_VERSION, DIGITS_TRAINING, image_size]).encode()
+                         + images.numpy().tobytes()).hexdigest()[:16]
+    path = os.path.join(cache_dir, f'digits_classifier_{image_size}_{key}.pt')
+    classifier = DigitsClassifier()
+    if os.path.isfile(path):
+        with contextlib.suppress(Exception):  # an unreadable cache is retrained, not an error
+            saved = torch.load(path, map_location='cpu', weights_only=True)
+            classifier.load_state_dict(saved['weights'])
+            return classifier.eval(), saved['accuracy']
+    classifier, accuracy = train_digits_classifier(image_size)
+    check_writable(cache_dir, '--data-dir')
+    with atomic_open(path, 'wb') as f:
+        torch.save({'weights': classifier.state_dict(), 'accuracy': accuracy}, f)
+    return classifier, accuracy
+
+
+def kernel_distance(features: np.ndarray, reference: np.ndarray, seed: int = 0) -> tuple:
+    """KID (Binkowski et al. 2018, unbiased for small sample counts) through torch-fidelity: the
+    mean and spread of the unbiased MMD^2 with the cubic kernel over 100 random subsets of equal
+    size. The samples are put in one canonical order first, so that their order does not change
+    which subsets are drawn."""
+    from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
+    features = features[np.lexsort(features.T[::-1])]
+    subset = min(len(features), len(reference), 1000)
+    kid = kid_features_to_metric(torch.from_numpy(features), torch.from_numpy(reference), kid_subsets=100,
+                                 kid_subset_size=subset, rng_seed=seed, verbose=False)
+    return kid[KEY_METRIC_KID_MEAN], kid[KEY_METRIC_KID_STD]
+
+
+class DigitsJudge:
+    """The digits score of a set of 1-channel images: Frechet distance and KID between their
+    classifier features and those of the training split, the share the classifier labels
+    confidently, and the entropy of the labels (log2(10) = 3.32 bits for balanced digits)."""
+
+    def __init__(self, image_size: int, cache_dir: str):
+        self.classifier, self.accuracy = digits_classifier(image_size, cache_dir)
+        self.reference = self.features(data.load_digits_split(image_size, heldout=False)[0])
+        self.reference_stats = statistics(self.reference)
+        # The floor: real digits the classifier never saw (the 450 held-out ones) against the same statistics.
+        self.floor = self.score(self.features(data.load_digits_split(image_size, heldout=True)[0]))
+
+    @torch.no_grad()
+    def features(self, images: torch.Tensor) -> np.ndarray:
+        """uint8 (N, 1, S, S) -> float64 (N, 64), in batches on the CPU."""
+        return torch.cat([self.classifier.features(b.cpu()).double() for b in images.split(512)]).numpy()
+
+    @torch.no_grad()
+    def score(self, features: np.ndarray) -> dict:
+        kid, kid_std = kernel_distance(features, self.reference)
+        probs = self.classifier.head(torch.from_numpy(features).float()).softmax(1)
+        counts = torch.bincount(probs.argmax(1), minlength=10).double()
+        shares = counts[counts > 0] / len(features)
+        return {'digits_fd': frechet_distance(statistics(features), self.reference_stats),
+                'digits_kid': kid, 'digits_kid_std': kid_std,
+                'digits_confident': (probs.max(1).values >= CONFIDENT).double().mean().item(),
+                'digits_class_entropy': abs((shares * shares.log2()).sum().item()), 'digits_samples': len(features),
+                'digits_features': f'digits classifier v{DIGITS_CLASSIFIER_VERSION} (64 features, held-out '
+                                   f'accuracy {self.accuracy:.4f})'}
+
+
 # ----------------------------------------------------------------------------- bits/dim
 
 def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch_size: int, device,
-                   generator: torch.Generator, timesteps: int = 0, amp: str = 'off', progress: bool = True) -> dict:
+                   generator: torch.Generator, timesteps: int = 0, amp: str = 'off', progress: bool = True,
+                   prediction: str = 'eps') -> dict:
     """Per image (uint8 (N, 3, H, W) in): the full bound (timesteps=0, T model calls each) or its
     unbiased Monte Carlo estimate from `timesteps` timesteps; {'total', 'prior', 'decoder'} (N,)."""
     sched = sched.to(device)
@@ -432,9 +544,10 @@ def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch
         x0 = batch.to(device).float() / 127.5 - 1
         with autocast(amp, device):
             if timesteps:
-                result = diffusion.vlb_bits_per_dim_mc(model, sched, x0, timesteps, generator=generator)
+                result = diffusion.vlb_bits_per_dim_mc(model, sched, x0, timesteps, generator=generator,
+                                                       prediction=prediction)
             else:
-                result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator)
+                result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator, prediction=prediction)
         for key in parts:
             parts[key].append(result[key].double().cpu())
     return {key: torch.cat(value) for key, value in parts.items()}
@@ -457,11 +570,16 @@ def summarise_bits(per_image: dict, timesteps: int, num_steps: int) -> dict:
             'estimate': f'Monte Carlo, {timesteps} stratified timesteps' if timesteps else 'full bound'}
 
 
-def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device) -> dict:
-    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False)[:cfg.bpd_num]
+def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+                 prediction: str = 'eps') -> dict:
+    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False, flag='--bpd-data')
+    if len(images) < cfg.bpd_num:
+        print(f'--bpd-num {cfg.bpd_num}: {cfg.bpd_data} holds {len(images)} images to evaluate; bits/dim on all of them')
+    images = images[:cfg.bpd_num]
     amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
     generator = torch.Generator(device).manual_seed(cfg.seed)
-    per_image = bits_per_image(model, sched, images, cfg.batch_size, device, generator, cfg.bpd_timesteps, amp)
+    per_image = bits_per_image(model, sched, images, cfg.batch_size, device, generator, cfg.bpd_timesteps, amp,
+                               prediction=prediction)
     return {**summarise_bits(per_image, cfg.bpd_timesteps, sched.num_steps), 'data': cfg.bpd_data}
 
 
@@ -480,9 +598,11 @@ def make_heldout(cfg, device, num_steps: int) -> tuple:
 @torch.no_grad()
 def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device) -> torch.Tensor:
     """Per-image training loss on the fixed images, timesteps and noise (no flips, no dropout):
-    comparable across steps, runs and settings. Returns (N,) on the CPU."""
+    comparable across steps, runs and settings, since it is always L_simple, the eps MSE (a v
+    model's output is read as the eps it stands for; no Min-SNR weights). Returns (N,) on the CPU."""
     was_training = model.training
     model.eval()
+    eps_model = diffusion.as_eps_model(model, sched, cfg.prediction)
     images, t, noise = heldout
     losses = []
     try:
@@ -491,7 +611,7 @@ def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device
             if cfg.channels_last:
                 x0 = x0.contiguous(memory_format=torch.channels_last)
             with autocast(cfg.amp, device):
-                losses.append(diffusion.training_loss(model, sched, x0, t[chunk], noise[chunk], per_example=True))
+                losses.append(diffusion.training_loss(eps_model, sched, x0, t[chunk], noise[chunk], per_example=True))
     finally:  # also when a stop cuts the evaluation short: training goes on in training mode
         model.train(was_training)
     return torch.cat(losses).cpu()
@@ -518,21 +638,26 @@ def weights_problem(run, heldout, row: dict):
 
 
 class Evaluator:
-    """FID of EMA samples and a Monte Carlo estimate of the EMA's bits/dim on held-out images,
-    for train.py --eval-every. Every rank takes a share (batches of samples, held-out images),
-    so that none waits idle into a timeout; rank 0 gathers and returns the row. The reference
-    statistics are computed (or read from their cache) here, at the start, so that a missing
-    data set or Inception network shows before training, not after. `run` is a train.Run."""
+    """FID of EMA samples (the digits score for digits) and a Monte Carlo estimate of the EMA's
+    bits/dim on held-out images, for train.py --eval-every. Every rank takes a share (batches of
+    samples, held-out images), so that none waits idle into a timeout; rank 0 gathers and returns
+    the row. The reference statistics are computed (or read from their cache) here, at the
+    start, so that a missing data set or Inception network shows before training, not after.
+    `run` is a train.Run."""
 
     def __init__(self, run):
         cfg, self.run = run.cfg, run
         self.images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.eval_bpd_images)
-        self.extractor = self.reference = None
+        self.extractor = self.reference = self.judge = None
         self.fid_left_out = None  # why FID is left out (offline without Inception weights)
-        if cfg.eval_fid:
+        if cfg.eval_fid and cfg.dataset == 'digits':
+            self.judge = DigitsJudge(cfg.image_size, cfg.data_dir) if run.rank == 0 else None
+        elif cfg.eval_fid:
             try:
                 self.extractor = inception_extractor(cfg.inception_weights, run.device)
             except ConfigError as error:
+                if cfg.inception_weights:  # the user's file: its error stops the run, as in sample.py
+                    raise
                 self.fid_left_out = str(error)
         if self.extractor is not None and run.rank == 0:
             self.reference = reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, self.extractor,
@@ -567,12 +692,13 @@ class Evaluator:
         generator = torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + step * 131 + run.rank)
         mine = self.images[run.rank::run.world_size]
         bits = bits_per_image(ema, run.sched, mine, self.batch_size, run.device, generator,
-                              cfg.eval_bpd_timesteps, amp='off', progress=False)
-        features = None
-        if self.extractor is not None:
+                              cfg.eval_bpd_timesteps, amp='off', progress=False, prediction=cfg.prediction)
+        features = None  # Inception features, or for digits the samples themselves (rank 0 judges them)
+        if self.extractor is not None or cfg.dataset == 'digits' and cfg.eval_fid:
             samples = draw(ema, run.model.config, run.sched, self.sampling, run.device, progress=False,
-                           rank=run.rank, world_size=run.world_size)
-            features = features_of(samples, self.extractor).astype('float32')
+                           rank=run.rank, world_size=run.world_size, prediction=cfg.prediction)
+            features = features_of(samples, self.extractor).astype('float32') if self.extractor else torch.cat(
+                list(samples))
         bits, features = gather_to_rank0((bits, features), run.rank, run.world_size, run.control_group)
         if run.rank != 0:
             return {}
@@ -581,18 +707,22 @@ class Evaluator:
                                  cfg.eval_bpd_timesteps, run.sched.num_steps)
         row.update(bpd=summary['bits_per_dim'], bpd_stderr=summary['stderr'], bpd_images=summary['images'],
                    bpd_model_calls_per_image=summary['model_calls_per_image'])
+        steps = run.sched.num_steps if cfg.sampler == 'ddpm' else cfg.sample_steps
         if self.extractor is not None:
             stats = statistics(np.concatenate(features).astype('float64'))
-            steps = run.sched.num_steps if cfg.sampler == 'ddpm' else cfg.sample_steps
             row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
                        fid_sampler=f'{cfg.sampler}-{steps}')
+        if self.judge is not None:
+            row.update(self.judge.score(self.judge.features(torch.cat(features))), digits_sampler=f'{cfg.sampler}-{steps}',
+                       digits_fd_floor=self.judge.floor['digits_fd'])
         row['eval_seconds'] = time.perf_counter() - start
         return row
 
 
 def write_curves(metrics_path: str, png_path: str):
     """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
-    standard error) and FID against training images seen, training hours on the top axis."""
+    standard error) and FID (or the digits score, with its floor) against training images seen,
+    training hours on the top axis."""
     import matplotlib.ticker
     plt = pyplot()
     with open(metrics_path) as f:
@@ -600,7 +730,7 @@ def write_curves(metrics_path: str, png_path: str):
     train_rows = [r for r in rows if r.get('kind') == 'train']
     eval_rows = [r for r in rows if r.get('kind') == 'eval']
     panels = [('loss', train_rows)]
-    panels += [(name, eval_rows) for name in ('bpd', 'fid') if any(name in r for r in eval_rows)]
+    panels += [(name, eval_rows) for name in ('bpd', 'fid', 'digits_fd') if any(name in r for r in eval_rows)]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
     for ax, (name, source) in zip(axes[0], panels):
         if name == 'loss':
@@ -617,7 +747,12 @@ def write_curves(metrics_path: str, png_path: str):
             errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
             ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
                         capsize=3)
-        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)'}[name])
+            if name == 'digits_fd' and points:
+                ax.axhline(points[-1]['digits_fd_floor'], color='gray', linestyle=':', label='floor (held-out digits)')
+                ax.set_yscale('log')
+                ax.legend(fontsize=8)
+        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)',
+                       'digits_fd': 'digits FD (classifier features)'}[name])
         ax.set_xlabel('training images seen')
         ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
         ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
@@ -649,9 +784,17 @@ def add_hours_axis(ax, rows: list):
 
 # ----------------------------------------------------------------------------- main
 
-def validate(cfg: SampleConfig, sched: diffusion.Schedule):
-    """The flags that depend on the model's schedule, and the output folder (created and
-    checked writable); check_ranges checked the others before the model was loaded."""
+def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -> SampleConfig:
+    """The flags that depend on the model (its schedule, its channels), and the output folder
+    (created and checked writable); check_ranges checked the others before the model was loaded.
+    Returns cfg with --fid-data and --bpd-data resolved."""
+    for name in ('fid_data', 'bpd_data'):
+        value = getattr(cfg, name)
+        if value == 'auto':
+            cfg = dataclasses.replace(cfg, **{name: 'digits' if config.in_channels == 1 else 'cifar10'})
+        elif data.channels_of(value) != config.in_channels:
+            raise ConfigError(f'--{name.replace("_", "-")} {value}: its images have {data.channels_of(value)} '
+                              f'channel(s), the model draws {config.in_channels}')
     if cfg.sampler != 'ddpm' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
@@ -663,35 +806,37 @@ def validate(cfg: SampleConfig, sched: diffusion.Schedule):
                                                      or os.listdir(cfg.export_diffusers)):
             raise ConfigError(f'--export-diffusers {cfg.export_diffusers}: exists and is not an empty folder')
         check_writable(os.path.dirname(os.path.abspath(cfg.export_diffusers)), '--export-diffusers')
-        return
+        return cfg
     if cfg.grid and cfg.num > GRID_LIMIT:
         raise ConfigError(f'--grid draws at most {GRID_LIMIT} images into one PNG, got --num {cfg.num}')
     if not cfg.bpd or cfg.fid:  # images will be written
         check_writable(cfg.out, '--out')
+    return cfg
 
 
 def main(cfg: SampleConfig) -> dict:
     check_ranges(cfg)
     device = pick_device(cfg.device, 0)
-    model, config, sched = load_model(cfg.ckpt, cfg.weights, device)
-    validate(cfg, sched)
+    model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device)
+    cfg = validate(cfg, config, sched)
     if cfg.export_diffusers:
-        return export_diffusers(model, sched, cfg)
+        return export_diffusers(model, sched, cfg, prediction)
     if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
         model = torch.compile(model)
     result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
     if cfg.bpd:
-        result['bpd'] = bits_per_dim(model, config, sched, cfg, device)
+        result['bpd'] = bits_per_dim(model, config, sched, cfg, device, prediction)
         print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f}")
         if not cfg.fid:
             return result  # --bpd alone evaluates; add --fid to sample as well
-    extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid else None
     # The reference statistics first: a missing data set fails before the sampling, not after.
+    judge = DigitsJudge(config.image_size, cfg.data_dir) if cfg.fid and cfg.fid_data == 'digits' else None
+    extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid and not judge else None
     reference = (reference_statistics(cfg.fid_data, cfg.data_dir, config.image_size, extractor, cfg.batch_size,
-                                      cfg.fid_stats) if cfg.fid else None)
+                                      cfg.fid_stats) if extractor else None)
     if cfg.grid:
         start = time.perf_counter()
-        images = torch.cat(list(draw(model, config, sched, cfg, device)))
+        images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
         drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
                  'path': os.path.join(cfg.out, 'grid.png')}
         write_grid_png(images, drawn['path'])
@@ -700,10 +845,10 @@ def main(cfg: SampleConfig) -> dict:
         leftovers = ('[0-9]*.png.tmp', '*.npz.tmp', 'parts/batch_*.npy.tmp', MANIFEST + '.tmp')
         release_lock = claim_folder(cfg.out, '--out', leftovers)
         try:
-            drawn = stream_samples(model, config, sched, cfg, device)
+            drawn = stream_samples(model, config, sched, cfg, device, prediction)
         finally:
             release_lock()
-        on_disk = written_batches(cfg, config.image_size)
+        on_disk = written_batches(cfg, config)
     result.update(drawn)
     steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
     if drawn['images'] and drawn['seconds'] > 0:
@@ -715,16 +860,31 @@ def main(cfg: SampleConfig) -> dict:
         print(f"stopped by {drawn['stopped']}: {cfg.out} holds what was drawn; the same command continues it")
         return result
     print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
-    if cfg.fid:
+    if judge:
+        result['digits'] = {**judge.score(judge.features(torch.cat(list(on_disk)))), 'floor': judge.floor}
+        print(digits_summary(result['digits']))
+    elif cfg.fid:
         fake = statistics(features_of(tqdm(on_disk, desc='sample features', leave=False), extractor))
         result['fid'] = frechet_distance(fake, reference)
         print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
     return result
 
 
-def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig) -> dict:
+def digits_summary(score: dict) -> str:
+    """The digits score in one paragraph, its floor beside it and the feature space named."""
+    floor = score['floor']
+    return (f"digits score of {score['digits_samples']} samples, in the features of a digit classifier (not "
+            f"Inception: no FID), against the training split: FD {score['digits_fd']:.2f} (floor, the held-out "
+            f"real digits: {floor['digits_fd']:.2f}), KID {score['digits_kid']:.1f} +- {score['digits_kid_std']:.1f} "
+            f"(floor {floor['digits_kid']:.1f}); {score['digits_confident']:.1%} labelled with p >= {CONFIDENT} "
+            f"(floor {floor['digits_confident']:.1%}); label entropy {score['digits_class_entropy']:.2f} bits "
+            f"(balanced: 3.32); {score['digits_features']}")
+
+
+def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, prediction: str) -> dict:
     try:
-        save_diffusers(model.cpu().float(), diffusion.schedule_kind(sched), sched.num_steps, cfg.export_diffusers)
+        save_diffusers(model.cpu().float(), diffusion.schedule_kind(sched), sched.num_steps, cfg.export_diffusers,
+                       prediction)
     except ValueError as error:
         raise ConfigError(f'--export-diffusers: diffusers cannot represent this network or schedule '
                           f'({error})') from None

@@ -30,13 +30,13 @@ from tqdm import tqdm
 import data
 import diffusion
 import sample
+from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, resume_settings,
+                        save_checkpoint, warn_of_changes)
 from cli import (ConfigError, JsonLines, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields,
                  check_ranges, check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group,
-                 on_all_ranks, own_rng, parse_config, pick_device, ranks_identical, run_main, setup_distributed,
-                 synchronize)
-from model import (MODEL_VERSION, PRESETS, UNet, already_done, check_resumable, check_same_data, count_flops,
-                   count_params, get_config, initial_weights, peak_tflops, precision_of, resume_settings,
-                   save_checkpoint, warn_of_changes)
+                 on_all_ranks, own_rng, parse_config, peak_tflops, pick_device, precision_of, ranks_identical, run_main,
+                 setup_distributed, synchronize)
+from model import MODEL_VERSION, PRESETS, UNet, count_flops, count_params, get_config
 
 NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
@@ -47,9 +47,11 @@ COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-
 @dataclass
 class TrainConfig:
     preset: str = flag('ddpm-cifar10', 'UNet preset', choices=tuple(PRESETS))
-    dataset: str = flag('cifar10', 'data set', choices=data.DATASETS)
+    dataset: str = flag('cifar10', 'data set (digits: scikit-learn\'s 1,797 handwritten digits, one channel, no '
+                                   'download)', choices=data.DATASETS)
     data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file '
-                                   '(--dataset beton or --loader ffcv)')
+                                   '(--dataset beton or --loader ffcv); for digits and shapes only the cache of '
+                                   'the evaluation\'s classifier and statistics')
     image_size: int = flag(32, 'training resolution (images are resized and centre-cropped)')
     shapes_count: int = flag(8192, 'number of images in the shapes data set', at_least=1)
     batch_size: int | None = flag(None, 'global batch size, split across DDP ranks (paper: 128; tiny: 32)', at_least=1)
@@ -62,6 +64,12 @@ class TrainConfig:
     ema_decay: float = flag(0.9999, 'EMA decay, ramped as min(decay, (1+step)/(10+step))', at_least=0, below=1)
     dropout: float | None = flag(None, 'dropout in residual blocks (default: the preset\'s)', at_least=0, below=1)
     schedule: str = flag('linear', 'beta schedule', choices=('linear', 'cosine'))
+    prediction: str = flag('eps', 'what the network predicts: eps, the noise (the paper\'s), or v = alpha eps - '
+                                  'sigma x0 (Salimans & Ho 2022)', choices=diffusion.PREDICTIONS)
+    loss_weight: str = flag('uniform', 'weight of each timestep\'s loss: uniform (the paper\'s L_simple) or min-snr '
+                                       '(Hang et al. 2023: min(SNR, gamma) on the x0 error)',
+                            choices=diffusion.LOSS_WEIGHTS)
+    snr_gamma: float | None = flag(None, 'gamma of --loss-weight min-snr (default 5)', positive=True)
     attention: str = flag('sdpa', 'attention: F.scaled_dot_product_attention, or matmul-softmax-matmul',
                           choices=('sdpa', 'manual'))
     compile: bool | None = flag(None, 'torch.compile the whole training loss as one graph: timesteps, noise, '
@@ -84,8 +92,9 @@ class TrainConfig:
                               'the EMA on held-out images, as metrics.jsonl rows, and OUT_DIR/curves.png', at_least=0)
     eval_fid: bool = flag(True, 'FID in the evaluations (Inception weights: downloaded on first use, or '
                                 '--inception-weights; offline without them FID is left out with a warning)')
-    eval_samples: int = flag(10000, 'EMA samples per FID, drawn with --sampler and --sample-steps (papers report '
-                                    '50,000; fewer samples read higher)', at_least=1)
+    eval_samples: int | None = flag(None, 'EMA samples per FID, drawn with --sampler and --sample-steps (default '
+                                          '10000; papers report 50,000; fewer samples read higher); digits: 450, '
+                                          'the size of the held-out split that sets the score\'s floor', at_least=1)
     eval_bpd_images: int = flag(1000, 'held-out images of the bits/dim estimate', at_least=1)
     eval_bpd_timesteps: int = flag(32, 'timesteps of the Monte Carlo bits/dim estimate: 1 + this many model calls '
                                        'per held-out image', at_least=1, at_most=NUM_TIMESTEPS - 1)
@@ -157,7 +166,8 @@ class Run:
 
 
 def model_config_of(cfg: TrainConfig):
-    return get_config(cfg.preset, image_size=cfg.image_size, dropout=cfg.dropout, attention=cfg.attention)
+    return get_config(cfg.preset, image_size=cfg.image_size, dropout=cfg.dropout, attention=cfg.attention,
+                      in_channels=data.channels_of(cfg.dataset))
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
@@ -173,7 +183,7 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     first = data.first_image(dataset, cfg.image_size, cfg.data_dir)
     loader_kind = data.choose_loader(cfg.loader, len(dataset) * first.numel(), device)
     loader = data.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
-                              cfg.num_workers, rank, world_size, progress=progress)
+                              cfg.num_workers, rank, world_size, progress, data.flipped_in_training(cfg.dataset))
     model = (make_model or UNet)(model_config_of(cfg)).to(device)
     if init is not None:
         model.load_state_dict(init)
@@ -238,7 +248,8 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         with autocast(cfg.amp, device):
-            return diffusion.training_loss(net, sched, x0)
+            return diffusion.training_loss(net, sched, x0, prediction=cfg.prediction, loss_weight=cfg.loss_weight,
+                                           snr_gamma=cfg.snr_gamma or 5.0)
     if not cfg.compile:
         return loss_of
     mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
@@ -334,16 +345,21 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
     stop, release_lock = StopFlag(), lambda: None
     restore_signals = stop.install()  # first thing: a stop during start-up ends the run cleanly too
     try:
-        cfg, flags, ckpt = resume_settings(cfg, changed_fields(cfg) if given is None else given)
+        given = changed_fields(cfg) if given is None else given
+        cfg, flags, ckpt = resume_settings(cfg, given)
         device = pick_device(cfg.device, local_rank)
         cfg = resolve_defaults(cfg, device)
-        validate(cfg, device, world_size)
+        validate(cfg, device, world_size, resuming=ckpt is not None)
+        if ckpt is not None and 'init_from' in given and rank == 0:
+            print(f'--init-from {cfg.init_from} is not read: a resumed run continues from the weights of '
+                  f'{cfg.resume}', flush=True)
         if ckpt is not None:
             check_resumable(ckpt, f'--resume {cfg.resume}', asdict(cfg), model_config_of(cfg), world_size)
             warn_of_changes(ckpt, cfg)
             if done := already_done(ckpt, cfg):
                 return done
-        init = initial_weights(cfg.init_from, model_config_of(cfg)) if cfg.init_from and ckpt is None else None
+        init = (initial_weights(cfg.init_from, model_config_of(cfg), cfg.prediction) if cfg.init_from and ckpt is None
+                else None)
         release_lock = claim_outputs(cfg, rank, fresh=ckpt is None)
         control_group = init_process_group(device, rank, world_size)
         # A stop during start-up (data, model, reference statistics) ends one process at once:
@@ -384,7 +400,9 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     """Fills the 'auto' and None fields: the fast path on CUDA, plain fp32 eager on CPU."""
     cuda = device.type == 'cuda'
     defaults = {**PAPER_TRAINING, **PRESET_TRAINING.get(cfg.preset, {}), 'dropout': PRESETS[cfg.preset].dropout,
-                'compile': cuda, 'channels_last': cuda, 'fused_adam': cuda}
+                'compile': cuda, 'channels_last': cuda, 'fused_adam': cuda,
+                'snr_gamma': 5.0 if cfg.loss_weight == 'min-snr' else None,
+                'eval_samples': 450 if cfg.dataset == 'digits' else 10000}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
     cfg.amp = ('bf16' if cuda and torch.cuda.is_bf16_supported() else 'off') if cfg.amp == 'auto' else cfg.amp
     if cfg.loader == 'ffcv':
@@ -392,10 +410,14 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     return cfg
 
 
-def validate(cfg: TrainConfig, device: torch.device, world_size: int):
+def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: bool = False):
     """Every flag checked before any work: the declared ranges, then what depends on the
-    device, the rank count and the installed packages. Each failure is one ConfigError line."""
+    device, the rank count and the installed packages. Each failure is one ConfigError line.
+    A resumed run never reads --init-from (its weights come from the checkpoint), so the file
+    may be gone: a preemptible fine-tune requeues with the same command."""
     check_ranges(cfg)
+    if cfg.snr_gamma is not None and cfg.loss_weight != 'min-snr':
+        raise ConfigError(f'--snr-gamma {cfg.snr_gamma} weights nothing without --loss-weight min-snr')
     if cfg.batch_size % world_size:
         raise ConfigError(f'--batch-size {cfg.batch_size} does not split evenly over {world_size} ranks')
     if cfg.amp == 'fp16' and device.type != 'cuda':
@@ -404,7 +426,7 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int):
         raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
     if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
         raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
-    if cfg.init_from and not os.path.exists(cfg.init_from):
+    if cfg.init_from and not resuming and not os.path.exists(cfg.init_from):
         raise ConfigError(f'--init-from {cfg.init_from}: no such checkpoint or folder')
     if cfg.tensorboard and importlib.util.find_spec('tensorboard') is None:
         raise ConfigError('--tensorboard needs the tensorboard package: pip install tensorboard')
@@ -428,8 +450,15 @@ def claim_outputs(cfg: TrainConfig, rank: int, fresh: bool):
     if rank != 0:
         check_writable(cfg.out_dir, '--out-dir')
         return lambda: None
-    return claim_folder(cfg.out_dir, '--out-dir', ('ckpt.pt.tmp', 'curves.png.tmp'),
-                        ('metrics.jsonl',) if fresh else ())
+    release = claim_folder(cfg.out_dir, '--out-dir', ('ckpt.pt.tmp', 'curves.png.tmp'),
+                           ('metrics.jsonl',) if fresh else ())
+    try:
+        if cfg.tensorboard:
+            check_writable(os.path.join(cfg.out_dir, 'tb'), '--tensorboard: its folder')
+    except ConfigError:
+        release()
+        raise
+    return release
 
 
 # ----------------------------------------------------------------------------- what the loop calls
@@ -481,6 +510,9 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
     if row:  # rank 0
         log.write(row)
         fid = f", FID {row['fid']:.2f} ({row['fid_samples']} samples)" if 'fid' in row else ''
+        if 'digits_fd' in row:
+            fid = (f", digits FD {row['digits_fd']:.2f} (floor {row['digits_fd_floor']:.2f}; {row['digits_samples']} "
+                   f"samples, {row['digits_confident']:.0%} confident)")
         log.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
                   f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
         log.draw_curves(force=True)
@@ -553,14 +585,21 @@ def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
     any rank, every rank stops with an error instead of leaving the others in a collective."""
     cfg = run.cfg
 
-    def make():
-        log = Metrics(run, step, cfg.steps or cfg.epochs * run.loader.batches_per_epoch, train_seconds)
+    def make():  # the progress bar last: an error before it is one clean line
         heldout = sample.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
-        return log, heldout, sample.Evaluator(run) if cfg.eval_every else None
+        evaluator = sample.Evaluator(run) if cfg.eval_every else None
+        return Metrics(run, step, cfg.steps or cfg.epochs * run.loader.batches_per_epoch, train_seconds), heldout, \
+            evaluator
     with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
         log, heldout, evaluator = on_all_ranks(make, run.control_group)
     if evaluator is not None and evaluator.fid_left_out:
         log.print(f'warning: FID is left out of the evaluations: {evaluator.fid_left_out}', file=sys.stderr)
+    held = {'heldout_size': len(heldout[0]) if heldout else None,
+            'eval_bpd_images': len(evaluator.images) if evaluator else None}
+    for name, count in held.items():
+        if count is not None and count < getattr(cfg, name):  # a split holds what it holds: said, not hidden
+            log.print(f'--{name.replace("_", "-")} {getattr(cfg, name)}: the held-out {cfg.dataset} split has '
+                      f'{count} images; all of them are used')
     if evaluator is not None and any_rank(cfg.eval_fid and evaluator.extractor is None, run.control_group):
         evaluator.extractor = evaluator.reference = None  # FID on every rank or on none
     log.restart_clock()  # the reference statistics are not training time

@@ -37,3 +37,4 @@ def shapes_fid_dir(shapes_fid_stats):
         shutil.copy(shapes_fid_stats, folder)
         return str(folder)
     return make
+sys.path.insert(1, os.path.join(ROOT, 'scripts'))  # the scripts' modules (solver_accuracy, ...) for their tests

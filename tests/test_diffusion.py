@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
-                       dpm_solver_sample, dpm_solver_timesteps, log_snr, make_schedule, p_mean_variance, q_posterior,
-                       q_sample, training_loss, vlb_bits_per_dim, vlb_bits_per_dim_mc)
+                       dpm_solver_sample, dpm_solver_timesteps, log_snr, make_betas, make_schedule, p_mean_variance,
+                       q_posterior, q_sample, run_sampler, training_loss, vlb_bits_per_dim, vlb_bits_per_dim_mc)
 from helpers import NO_DIFFUSERS
 from model import UNet, get_config
 
@@ -98,8 +98,9 @@ class FixedEps(torch.nn.Module):
 def _float64_tables(ref):
     # diffusers builds its tables in float32, which costs it ~1e-4 relative precision in
     # beta_t = 1 - abar_t / abar_{t-1} at small t; rebuild them the way its __init__ does,
-    # in float64, so that the comparison checks the formulas rather than rounding.
-    ref.betas = ref.betas.double()
+    # from the same betas in float64 (their float32 betas are checked against ours above), so
+    # that the comparison checks the formulas rather than rounding.
+    ref.betas = torch.from_numpy(make_betas(len(ref.betas), 'linear'))
     ref.alphas = 1.0 - ref.betas
     ref.alphas_cumprod = torch.cumprod(ref.alphas, dim=0)
     ref.final_alpha_cumprod = torch.tensor(1.0, dtype=torch.float64)
@@ -128,18 +129,27 @@ def test_ddpm_step_matches_diffusers():
         assert (ours - theirs).abs().max() < 1e-6
 
 
-def test_ddim_step_matches_diffusers():
+# Our DDIM clip modes as diffusers' DDIMScheduler configurations: (clip_sample, use_clipped_model_output).
+DDIM_CLIP_IN_DIFFUSERS = {'none': (False, False), 'x0': (True, False), 'x0+eps': (True, True)}
+PREDICTION_IN_DIFFUSERS = {'eps': 'epsilon', 'v': 'v_prediction'}
+
+
+@pytest.mark.parametrize('prediction', ['eps', 'v'])
+@pytest.mark.parametrize('clip', ['none', 'x0', 'x0+eps'])
+def test_ddim_step_matches_diffusers(clip, prediction):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
-    ref = _float64_tables(diffusers.DDIMScheduler(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4,
-                                                  beta_end=0.02, clip_sample=True, set_alpha_to_one=True))
+    clip_sample, use_clipped = DDIM_CLIP_IN_DIFFUSERS[clip]
+    ref = _float64_tables(diffusers.DDIMScheduler(
+        num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4, beta_end=0.02, clip_sample=clip_sample,
+        set_alpha_to_one=True, prediction_type=PREDICTION_IN_DIFFUSERS[prediction]))
     ref.set_timesteps(50)  # 'leading' spacing: 980, 960, ..., 0, stride 20
     sched = make_schedule()
     g = torch.Generator().manual_seed(1)
-    x, eps, z = (torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    x, output, z = (torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
     for step, eta in [(980, 0.0), (500, 0.0), (20, 0.0), (500, 1.0), (0, 0.0)]:
-        ours = ddim_step(sched, x, eps, step, step - 20, eta=eta, noise=z)
-        theirs = ref.step(eps, step, x, eta=eta, variance_noise=z).prev_sample
-        assert (ours - theirs).abs().max() < 1e-6
+        ours = ddim_step(sched, x, output, step, step - 20, eta=eta, noise=z, clip=clip, prediction=prediction)
+        theirs = ref.step(output, step, x, eta=eta, variance_noise=z, use_clipped_model_output=use_clipped).prev_sample
+        assert (ours - theirs).abs().max() < 1e-12
 
 
 def test_ddim_timesteps():
@@ -165,48 +175,55 @@ class SmoothEps(torch.nn.Module):
         return (1 - a).sqrt() * (x - a.sqrt() * 0.3) / (a * 0.25 + 1 - a) + 0.05 * torch.sin(3 * x)
 
 
-def diffusers_scheduler(kind, **kwargs):
+def diffusers_scheduler(kind, prediction='eps', clip_sample=True, **kwargs):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     cls = {'ddpm': diffusers.DDPMScheduler, 'ddim': diffusers.DDIMScheduler}[kind]
     return _float64_tables(cls(num_train_timesteps=1000, beta_schedule='linear', beta_start=1e-4, beta_end=0.02,
-                               clip_sample=True, **kwargs))
+                               clip_sample=clip_sample, prediction_type=PREDICTION_IN_DIFFUSERS[prediction], **kwargs))
 
 
 def diffusers_loop(scheduler, shape, seed, steps, **step_kwargs):
-    """diffusers' own sampling loop (as in its pipelines), in float64, from a CPU generator."""
+    """diffusers' own sampling loop (as in its pipelines), in float64, from a CPU generator. The
+    model is SmoothEps, its output read as eps or v as the scheduler is configured: any smooth
+    function serves to compare two implementations of one sampler."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=generator, dtype=torch.float64)
     scheduler.set_timesteps(steps)
     model = SmoothEps()
     for t in scheduler.timesteps:
-        eps = model(x, torch.full((shape[0],), int(t)))
-        x = scheduler.step(eps, t, x, generator=generator, **step_kwargs).prev_sample
+        output = model(x, torch.full((shape[0],), int(t)))
+        x = scheduler.step(output, t, x, generator=generator, **step_kwargs).prev_sample
     return x.clamp(-1, 1)
 
 
+@pytest.mark.parametrize('prediction', ['eps', 'v'])
 @pytest.mark.parametrize('variance', ['fixedlarge', 'fixedsmall'])
-def test_whole_ddpm_sampler_matches_diffusers(variance):
+def test_whole_ddpm_sampler_matches_diffusers(variance, prediction):
     # All 1000 ancestral steps, the same noise in the same order: the timestep sequence, the
-    # variance, the clipping and the noise-free last step are all checked at once.
-    scheduler = diffusers_scheduler('ddpm', variance_type={'fixedlarge': 'fixed_large',
-                                                           'fixedsmall': 'fixed_small'}[variance])
+    # variance, the clipping, the reading of the model's output and the noise-free last step are
+    # all checked at once.
+    scheduler = diffusers_scheduler('ddpm', prediction, variance_type={'fixedlarge': 'fixed_large',
+                                                                       'fixedsmall': 'fixed_small'}[variance])
     shape = (2, 3, 4, 4)
     theirs = diffusers_loop(scheduler, shape, seed=11, steps=1000)
     ours = ddpm_sample(SmoothEps(), make_schedule(1000), shape, torch.Generator().manual_seed(11),
-                       variance=variance, dtype=torch.float64)
+                       variance=variance, dtype=torch.float64, prediction=prediction)
     assert ours.dtype == torch.float64
-    assert (ours - theirs).abs().max() < 1e-6
+    assert (ours - theirs).abs().max() < 1e-10
     assert theirs.std() > 0.1  # not a trivial output
 
 
+@pytest.mark.parametrize('prediction', ['eps', 'v'])
+@pytest.mark.parametrize('clip', ['none', 'x0', 'x0+eps'])
 @pytest.mark.parametrize('steps, eta', [(50, 0.0), (50, 1.0), (7, 0.5)])
-def test_whole_ddim_sampler_matches_diffusers(steps, eta):
-    scheduler = diffusers_scheduler('ddim', set_alpha_to_one=True)
+def test_whole_ddim_sampler_matches_diffusers(steps, eta, clip, prediction):
+    clip_sample, use_clipped = DDIM_CLIP_IN_DIFFUSERS[clip]
+    scheduler = diffusers_scheduler('ddim', prediction, clip_sample, set_alpha_to_one=True)
     shape = (2, 3, 4, 4)
-    theirs = diffusers_loop(scheduler, shape, seed=5, steps=steps, eta=eta)
+    theirs = diffusers_loop(scheduler, shape, seed=5, steps=steps, eta=eta, use_clipped_model_output=use_clipped)
     ours = ddim_sample(SmoothEps(), make_schedule(1000), shape, steps, eta, torch.Generator().manual_seed(5),
-                       dtype=torch.float64)
-    assert (ours - theirs).abs().max() < 1e-6
+                       dtype=torch.float64, clip=clip, prediction=prediction)
+    assert (ours - theirs).abs().max() < 1e-10
     assert theirs.std() > 0.1
 
 
@@ -427,10 +444,11 @@ class SmoothModel(torch.nn.Module):
         return torch.tanh(1.5 * xt * scale) + 0.3 * torch.sin(2 * xt + scale)
 
 
+@pytest.mark.parametrize('prediction', ['eps', 'v'])
 @pytest.mark.parametrize('kind', ['linear', 'cosine'])
 @pytest.mark.parametrize('spacing', ['time', 'logsnr'])
 @pytest.mark.parametrize('steps', [7, 20])
-def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps):
+def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps, prediction):
     # Our DPM-Solver++(2M) loop against diffusers' DPMSolverMultistepScheduler driven by its own
     # step(), same timesteps and initial noise, in float64. Two precision fixes on their side: their
     # sigmas are float32 (given ours in float64 instead) and step() casts the sample to float32
@@ -438,11 +456,11 @@ def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     sched, model, shape = make_schedule(1000, kind), SmoothModel(), (2, 3, 4, 4)
     ours = dpm_solver_sample(model, sched, shape, steps, spacing, generator=torch.Generator().manual_seed(0),
-                             dtype=torch.float64)
+                             dtype=torch.float64, prediction=prediction)
     theirs = diffusers.DPMSolverMultistepScheduler(
         num_train_timesteps=1000, beta_schedule={'linear': 'linear', 'cosine': 'squaredcos_cap_v2'}[kind],
         algorithm_type='dpmsolver++', solver_order=2, solver_type='midpoint', lower_order_final=True,
-        final_sigmas_type='zero', prediction_type='epsilon', thresholding=False)
+        final_sigmas_type='zero', prediction_type=PREDICTION_IN_DIFFUSERS[prediction], thresholding=False)
     timesteps = dpm_solver_timesteps(sched, steps, spacing)
     if spacing == 'time':
         theirs.set_timesteps(steps)
@@ -459,8 +477,8 @@ def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps):
     assert x.dtype == torch.float64
     assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10
     assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10 < (ours - ddim_sample(
-        model, sched, shape, steps, generator=torch.Generator().manual_seed(0), clip_denoised=False,
-        dtype=torch.float64)).abs().max()  # DDIM at as many steps is another path
+        model, sched, shape, steps, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
+        prediction=prediction)).abs().max()  # DDIM at as many steps is another path
 
 
 def test_dpm_solver_timesteps():
@@ -518,8 +536,8 @@ def test_dpm_solver_reaches_the_exact_ode_solution_at_second_order():
     assert error(dpm_solver_sample, 20) < error(ddim_sample, 50, clip_denoised=False) / 5  # log-SNR steps, 20 calls
 
 
-def test_the_benchmarks_gaussian_mixture_is_the_exact_denoiser():
-    from benchmark import GaussianMixture
+def test_the_accuracy_studys_gaussian_mixture_is_the_exact_denoiser():
+    from solver_accuracy import GaussianMixture
     sched = make_schedule(1000)
     mu = torch.tensor([0.2, -0.1], dtype=torch.float64)
     x = torch.randn(6, 2, 1, 1, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
@@ -535,3 +553,111 @@ def test_the_benchmarks_gaussian_mixture_is_the_exact_denoiser():
     other = GaussianMixture(sched, [[-0.5, 0.0]], 0.1, [1.0])
     step = torch.tensor([5])
     assert torch.allclose(two(near, step), other(near, step), rtol=1e-6)
+
+
+class ImperfectDenoiser(torch.nn.Module):
+    """The exact noise prediction of data N(mu, s^2) per channel (GaussianDenoiser: mu = +-0.9, s = 0.3,
+    37% of the mass outside [-1, 1]) plus 0.05 sin(3 x_t), an error such as a trained network makes:
+    divided by alpha_T ~ 0.006 in eq. 4 solved for x_0, it puts the x_0 prediction far outside
+    [-1, 1] at high noise, as a network's is. The model's output is read as eps, or (`inner`
+    given) is `inner`'s eps re-derived from its clipped x_0 prediction."""
+    def __init__(self, sched, inner=None):
+        super().__init__()
+        self.sched, self.inner = sched, inner
+        self.exact = GaussianDenoiser(sched, torch.tensor([0.9, -0.9], dtype=torch.float64), 0.3)
+
+    def forward(self, xt, t):
+        if self.inner is None:
+            return self.exact(xt, t) + 0.05 * torch.sin(3 * xt)
+        alpha, sigma = (table[t].view(-1, 1, 1, 1) for table in (self.sched.sqrt_alphas_cumprod,
+                                                                  self.sched.sqrt_one_minus_alphas_cumprod))
+        x0 = ((xt - sigma * self.inner(xt, t)) / alpha).clamp(-1, 1)
+        return (xt - alpha * x0) / sigma
+
+
+def test_ddim_converges_to_the_probability_flow_ode_by_default():
+    # DDIM is DPM-Solver++(1): N steps and 2N steps must come closer at the first-order rate and
+    # meet DPM-Solver++(2M) at 1000 calls (the converged ODE solution from the same x_T). Clipping
+    # x_0 but keeping the model's eps drifts away from it as N grows; re-deriving eps from the
+    # clipped x_0 converges, to the ODE of the clipped denoiser instead.
+    sched = make_schedule(1000)
+    model, shape = ImperfectDenoiser(sched), (500, 2, 1, 1)
+    x_T = torch.randn(shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    t_T = torch.full((shape[0],), 999)
+    x0_T = (x_T - sched.sqrt_one_minus_alphas_cumprod[-1] * model(x_T, t_T)) / sched.sqrt_alphas_cumprod[-1]
+    assert x0_T.abs().mean() > 2  # the x_0 predictions leave [-1, 1]
+
+    def ddim(steps, **kwargs):
+        return ddim_sample(model, sched, shape, steps, generator=torch.Generator().manual_seed(0),
+                           dtype=torch.float64, **kwargs)
+
+    def converged(denoiser):
+        return dpm_solver_sample(denoiser, sched, shape, 1000, 'time', generator=torch.Generator().manual_seed(0),
+                                 dtype=torch.float64)
+    dist = lambda a, b: (a - b).abs().mean().item()  # in units of [-1, 1]: 1/127.5 is a grey level
+    ode = converged(model)
+    default = {n: ddim(n) for n in (25, 50, 100, 200, 1000)}
+    gaps = [dist(default[n], default[2 * n]) for n in (25, 50, 100)]
+    errors = [dist(default[n], ode) for n in (25, 50, 100, 200)]
+    for sequence in (gaps, errors):
+        for a, b in zip(sequence, sequence[1:]):
+            assert 1.7 < a / b < 2.3, sequence  # first order
+    assert dist(default[1000], ode) < 1e-3, dist(default[1000], ode)
+
+    clipped = [dist(ddim(n, clip='x0'), ode) for n in (25, 100, 1000)]
+    assert clipped[0] < clipped[1] < clipped[2] and clipped[2] > 50 * dist(default[1000], ode), clipped
+
+    rederived = {n: ddim(n, clip='x0+eps') for n in (25, 50, 100, 1000)}
+    gaps = [dist(rederived[n], rederived[2 * n]) for n in (25, 50)]
+    assert 1.7 < gaps[0] / gaps[1] < 2.3, gaps
+    clipped_ode = converged(ImperfectDenoiser(sched, inner=model))
+    to_clipped_ode = dist(rederived[1000], clipped_ode)
+    assert to_clipped_ode < 1e-3 and dist(rederived[1000], ode) > 10 * to_clipped_ode, to_clipped_ode
+
+
+@pytest.mark.parametrize('prediction', ['eps', 'v'])
+def test_run_sampler_is_each_sampler(prediction):
+    # One entry point for every caller: the same images as calling each sampler with the same
+    # arguments, every argument passed through (a model that reads t, non-default settings).
+    model, sched, shape = SmoothModel(), make_schedule(100), (2, 3, 4, 4)
+    seed = lambda: torch.Generator().manual_seed(3)
+    cases = [
+        (dict(name='ddpm', variance='fixedsmall'),
+         lambda: ddpm_sample(model, sched, shape, seed(), variance='fixedsmall', prediction=prediction)),
+        (dict(name='ddpm', clip='none'),
+         lambda: ddpm_sample(model, sched, shape, seed(), clip_denoised=False, prediction=prediction)),
+        (dict(name='ddim', steps=7, eta=0.5),
+         lambda: ddim_sample(model, sched, shape, 7, 0.5, seed(), prediction=prediction)),
+        (dict(name='ddim', steps=7, clip='x0+eps'),
+         lambda: ddim_sample(model, sched, shape, 7, generator=seed(), clip='x0+eps', prediction=prediction)),
+        (dict(name='ddim'), lambda: ddim_sample(model, sched, shape, 50, generator=seed(), prediction=prediction)),
+        (dict(name='dpm++', steps=6, spacing='time'),
+         lambda: dpm_solver_sample(model, sched, shape, 6, 'time', seed(), prediction=prediction)),
+        (dict(name='dpm++'),
+         lambda: dpm_solver_sample(model, sched, shape, 20, generator=seed(), prediction=prediction)),
+    ]
+    outputs = []
+    for kwargs, direct in cases:
+        name = kwargs.pop('name')
+        got = run_sampler(name, model, sched, shape, generator=seed(), prediction=prediction, **kwargs)
+        assert torch.equal(got, direct()), (name, kwargs)
+        outputs.append(got)
+    assert all(not torch.equal(a, b) for i, a in enumerate(outputs) for b in outputs[i + 1:])  # settings matter
+    misread = run_sampler('ddim', model, sched, shape, 7, seed(), eta=0.5,
+                          prediction={'eps': 'v', 'v': 'eps'}[prediction])
+    assert not torch.equal(misread, outputs[2])  # the prediction matters
+    bad = [('gan', {}), ('dpm++', dict(clip='x0')), ('ddim', dict(clip='yes')), ('ddpm', dict(clip='on'))]
+    for name, kwargs in bad:
+        with pytest.raises(ValueError):
+            run_sampler(name, model, sched, shape, 3, seed(), **kwargs)
+
+
+def test_ddim_clip_denoised_is_the_older_name_of_clip():
+    model, sched, shape = SmoothModel(), make_schedule(100), (2, 3, 4, 4)
+    draw = lambda **kwargs: ddim_sample(model, sched, shape, 5, generator=torch.Generator().manual_seed(0), **kwargs)
+    assert torch.equal(draw(clip_denoised=True), draw(clip='x0'))
+    assert torch.equal(draw(clip_denoised=False), draw(clip='none'))
+    assert torch.equal(draw(), draw(clip='none'))
+    assert not torch.equal(draw(clip='x0'), draw(clip='none'))
+    with pytest.raises(ValueError):
+        draw(clip_denoised=True, clip='x0')

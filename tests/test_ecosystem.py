@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
+import diffusers_io
 import diffusion
 import model as unet
 import sample
@@ -28,21 +30,23 @@ def trained_checkpoint(tmp_path, *extra) -> str:
     return str(path)
 
 
-def test_export_loads_back_exactly_and_the_pipeline_samples_as_we_do(tmp_path):
+@pytest.mark.parametrize('dataset, channels', [('shapes', 3), ('digits', 1)])
+def test_export_loads_back_exactly_and_the_pipeline_samples_as_we_do(tmp_path, dataset, channels):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
-    ckpt = trained_checkpoint(tmp_path)
+    ckpt = trained_checkpoint(tmp_path, '--dataset', dataset)
     assert sample.cli(['--ckpt', ckpt, '--export-diffusers', str(tmp_path / 'pipe'), '--device', 'cpu']) == 0
     assert sorted(os.listdir(tmp_path / 'pipe')) == ['model_index.json', 'scheduler', 'unet']
-    ours = unet.model_from_checkpoint(torch.load(ckpt, weights_only=True), 'ema', ckpt)
-    back = unet.load_diffusers(str(tmp_path / 'pipe'))  # our reader of their format: the same weights
-    assert back.config == ours.config
+    ours = checkpoint.model_from_checkpoint(torch.load(ckpt, weights_only=True), 'ema', ckpt)
+    back = diffusers_io.load_diffusers(str(tmp_path / 'pipe'))  # our reader of their format: the same weights
+    assert back.config == ours.config and ours.config.in_channels == channels
     assert all(torch.equal(t, back.state_dict()[k]) for k, t in ours.state_dict().items())
     # DDPMPipeline samples what our 1000-step ancestral sampler samples from the same generator.
     pipeline = diffusers.DDPMPipeline.from_pretrained(str(tmp_path / 'pipe'))
     theirs = pipeline(batch_size=1, num_inference_steps=1000, output_type='np',
                       generator=torch.Generator().manual_seed(5)).images
     with torch.no_grad():
-        x = diffusion.ddpm_sample(ours, diffusion.make_schedule(1000), (1, 3, 16, 16), torch.Generator().manual_seed(5))
+        x = diffusion.ddpm_sample(ours, diffusion.make_schedule(1000), (1, channels, 16, 16),
+                                  torch.Generator().manual_seed(5))
     mine = sample.to_uint8(x).permute(0, 2, 3, 1).numpy().astype(int)
     theirs = np.round(theirs * 255).astype(int)
     assert np.abs(mine - theirs).max() <= 1 and (mine == theirs).mean() > 0.99 and mine.std() > 10
@@ -50,14 +54,14 @@ def test_export_loads_back_exactly_and_the_pipeline_samples_as_we_do(tmp_path):
     assert sample.cli(['--ckpt', ckpt, '--export-diffusers', str(tmp_path / 'raw'), '--weights', 'model',
                        '--device', 'cpu']) == 0
     raw = torch.load(ckpt, weights_only=True)['model']
-    assert all(torch.equal(t, unet.load_diffusers(str(tmp_path / 'raw')).state_dict()[k]) for k, t in raw.items())
+    assert all(torch.equal(t, diffusers_io.load_diffusers(str(tmp_path / 'raw')).state_dict()[k]) for k, t in raw.items())
 
 
 def test_a_cosine_checkpoint_keeps_its_schedule(tmp_path):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ckpt = trained_checkpoint(tmp_path, '--schedule', 'cosine')
     assert sample.cli(['--ckpt', ckpt, '--export-diffusers', str(tmp_path / 'pipe'), '--device', 'cpu']) == 0
-    _, _, sched = sample.load_model(str(tmp_path / 'pipe'), 'ema', torch.device('cpu'))
+    _, _, sched, _ = sample.load_model(str(tmp_path / 'pipe'), 'ema', torch.device('cpu'))
     assert sched.num_steps == 1000 and torch.equal(sched.betas, diffusion.make_schedule(1000, 'cosine').betas)
     theirs = diffusers.DDPMScheduler.from_pretrained(str(tmp_path / 'pipe'), subfolder='scheduler')
     assert torch.allclose(theirs.alphas_cumprod.double(), sched.alphas_cumprod, rtol=1e-5)
@@ -83,7 +87,7 @@ def test_export_refusals_are_one_line(tmp_path, capsys):
 
 def small_diffusers_folder(path, seed=0):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
-    theirs = diffusers.UNet2DModel(**unet.diffusers_config(unet.get_config('tiny', image_size=16, dropout=0.0)))
+    theirs = diffusers.UNet2DModel(**diffusers_io.diffusers_config(unet.get_config('tiny', image_size=16, dropout=0.0)))
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed + p.numel())))
@@ -96,7 +100,7 @@ def test_init_from_a_diffusers_folder_trains_the_loaded_model(tmp_path):
     cpu = torch.device('cpu')
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
                                                    batch_size=4, device='cpu'), cpu)
-    init = unet.initial_weights(str(tmp_path / 'released'), train.model_config_of(cfg))
+    init = checkpoint.initial_weights(str(tmp_path / 'released'), train.model_config_of(cfg))
     run = train.build_run(cfg, cpu, progress=False, init=init)
     assert all(torch.equal(t, run.ema.state_dict()[k]) for k, t in run.model.state_dict().items())
     x0 = next(train.batches(run, 0))
@@ -117,7 +121,7 @@ def test_init_from_our_checkpoint_and_its_refusals(tmp_path, capsys):
     ema = torch.load(ckpt, weights_only=True)['ema']
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=96, image_size=16,
                                                    batch_size=8, device='cpu'), torch.device('cpu'))
-    init = unet.initial_weights(ckpt, train.model_config_of(cfg))
+    init = checkpoint.initial_weights(ckpt, train.model_config_of(cfg))
     assert all(torch.equal(t, init[k]) for k, t in ema.items())  # the EMA weights start the new run
     assert train.cli(train_args(tmp_path / 'second', '--steps', '3', '--sample-every', '0', '--init-from', ckpt)) == 0
     second = torch.load(tmp_path / 'second' / 'run' / 'ckpt.pt', weights_only=True)

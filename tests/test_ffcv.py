@@ -83,3 +83,10 @@ def test_fid_statistics_of_a_beton_are_cached_beside_it(beton):
     again = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
     # The cache is read back whole.
     assert (again['mu'] == stats['mu']).all() and (again['sigma'] == stats['sigma']).all()
+
+
+def test_digits_are_written_grey_in_three_channels(tmp_path, capsys):
+    path = str(tmp_path / 'digits.beton')
+    assert data.main(['--write-beton', path, '--dataset', 'digits', '--image-size', '8', '--num-workers', '1']) == 0
+    stored = data.BetonDataset(path).images(range(1347))
+    assert torch.equal(stored, data.load_digits_split(8, heldout=False)[0].expand(-1, 3, -1, -1))

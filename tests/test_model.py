@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from model import (PRESETS, AttnBlock, UNet, count_flops, count_params, count_torchinfo_flops,
-                   get_config, gpu_peak_key, peak_tflops)
+from cli import gpu_peak_key, peak_tflops
+from model import PRESETS, AttnBlock, UNet, count_flops, count_params, count_torchinfo_flops, get_config
 
 
 @pytest.mark.parametrize('preset', list(PRESETS))

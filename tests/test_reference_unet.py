@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import diffusers_io
 import model as unet
 from helpers import NO_DIFFUSERS
 from model import PRESETS, UNet, get_config
@@ -43,9 +44,9 @@ def randomised(module: nn.Module, seed: int) -> nn.Module:
 
 def pair(preset: str, seed: int = 0):
     config = get_config(preset, dropout=0.0)
-    theirs = randomised(diffusers.UNet2DModel(**unet.diffusers_config(config)).double().eval(), seed)
+    theirs = randomised(diffusers.UNet2DModel(**diffusers_io.diffusers_config(config)).double().eval(), seed)
     ours = UNet(config).double().eval()
-    ours.load_state_dict(unet.state_dict_from_diffusers(ours, theirs.state_dict()))
+    ours.load_state_dict(diffusers_io.state_dict_from_diffusers(ours, theirs.state_dict()))
     return ours, theirs
 
 
@@ -80,9 +81,9 @@ def test_dropout_where_diffusers_has_it(monkeypatch):
         return x * keep / (1 - p)
     monkeypatch.setattr(F, 'dropout', fixed_mask_dropout)
     config = get_config('tiny', dropout=0.3)
-    theirs = randomised(diffusers.UNet2DModel(**unet.diffusers_config(config)).double().train(), 2)
+    theirs = randomised(diffusers.UNet2DModel(**diffusers_io.diffusers_config(config)).double().train(), 2)
     ours = UNet(config).double().train()
-    ours.load_state_dict(unet.state_dict_from_diffusers(ours, theirs.state_dict()))
+    ours.load_state_dict(diffusers_io.state_dict_from_diffusers(ours, theirs.state_dict()))
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     t = torch.tensor([3, 700])
     with torch.no_grad():
@@ -92,7 +93,7 @@ def test_dropout_where_diffusers_has_it(monkeypatch):
 
 
 def test_benchmark_peer_is_the_released_configuration():
-    kwargs = unet.diffusers_config(PRESETS['ddpm-cifar10'])
+    kwargs = diffusers_io.diffusers_config(PRESETS['ddpm-cifar10'])
     released = {k: v for k, v in GOOGLE_DDPM_CIFAR10_32.items() if not k.startswith('_')}
     built = diffusers.UNet2DModel(**kwargs).config
     for key, value in released.items():
@@ -100,7 +101,7 @@ def test_benchmark_peer_is_the_released_configuration():
     import benchmark
     peer = benchmark.DiffusersUNet(PRESETS['ddpm-cifar10'])
     assert {k: peer.unet.config[k] for k in released} == {k: built[k] for k in released}
-    assert unet.config_from_diffusers(GOOGLE_DDPM_CIFAR10_32) == get_config('ddpm-cifar10', dropout=0.0)
+    assert diffusers_io.config_from_diffusers(GOOGLE_DDPM_CIFAR10_32) == get_config('ddpm-cifar10', dropout=0.0)
 
 
 def test_variance_scaling_init_is_the_papers():
@@ -186,7 +187,7 @@ def test_timestep_embedding_closed_form_and_dtype():
 # ----------------------------------------------------------------------------- load_diffusers
 
 def small_diffusers_model(seed=0, **overrides):
-    kwargs = {**unet.diffusers_config(get_config('tiny', image_size=16, dropout=0.0)), **overrides}
+    kwargs = {**diffusers_io.diffusers_config(get_config('tiny', image_size=16, dropout=0.0)), **overrides}
     return randomised(diffusers.UNet2DModel(**kwargs).eval(), seed)
 
 
@@ -202,7 +203,7 @@ def test_load_diffusers_model_folder(tmp_path):
     theirs.save_pretrained(tmp_path / 'unet-safetensors')
     theirs.save_pretrained(tmp_path / 'unet-bin', safe_serialization=False)
     for folder in ('unet-safetensors', 'unet-bin'):
-        ours = unet.load_diffusers(str(tmp_path / folder))
+        ours = diffusers_io.load_diffusers(str(tmp_path / folder))
         assert not ours.training and ours.config.image_size == 16 and ours.config.base_channels == 16
         assert same_outputs(ours, theirs)
 
@@ -211,7 +212,7 @@ def test_load_diffusers_pipeline_folder(tmp_path):
     theirs = small_diffusers_model(seed=4)
     diffusers.DDPMPipeline(unet=theirs, scheduler=diffusers.DDPMScheduler()).save_pretrained(tmp_path / 'pipe')
     assert (tmp_path / 'pipe' / 'unet' / 'config.json').exists()
-    assert same_outputs(unet.load_diffusers(str(tmp_path / 'pipe')), theirs)
+    assert same_outputs(diffusers_io.load_diffusers(str(tmp_path / 'pipe')), theirs)
 
 
 def test_load_diffusers_with_the_old_attention_names(tmp_path):
@@ -227,7 +228,7 @@ def test_load_diffusers_with_the_old_attention_names(tmp_path):
     (tmp_path / 'old').mkdir()
     torch.save(old, tmp_path / 'old' / 'diffusion_pytorch_model.bin')
     (tmp_path / 'old' / 'config.json').write_text(json.dumps(dict(theirs.config)))
-    assert same_outputs(unet.load_diffusers(str(tmp_path / 'old')), theirs)
+    assert same_outputs(diffusers_io.load_diffusers(str(tmp_path / 'old')), theirs)
 
 
 @pytest.mark.parametrize('field, value', [
@@ -241,8 +242,8 @@ def test_load_diffusers_names_the_field_it_cannot_represent(tmp_path, field, val
               'down_block_types': ['DownBlock2D', 'DownBlock2D', 'AttnDownBlock2D'],
               'up_block_types': ['AttnUpBlock2D', 'UpBlock2D', 'UpBlock2D'], 'layers_per_block': 1, field: value}
     (tmp_path / 'config.json').write_text(json.dumps(config))
-    with pytest.raises(unet.DiffusersConfigError, match=field):
-        unet.load_diffusers(str(tmp_path))
+    with pytest.raises(diffusers_io.DiffusersConfigError, match=field):
+        diffusers_io.load_diffusers(str(tmp_path))
 
 
 def test_load_diffusers_refuses_weights_it_has_no_place_for(tmp_path):
@@ -250,17 +251,17 @@ def test_load_diffusers_refuses_weights_it_has_no_place_for(tmp_path):
     theirs.save_pretrained(tmp_path)
     weights = theirs.state_dict()
     weights['class_embedding.weight'] = torch.zeros(10, 64)
-    ours = UNet(unet.config_from_diffusers(dict(theirs.config)))
+    ours = UNet(diffusers_io.config_from_diffusers(dict(theirs.config)))
     with pytest.raises(KeyError, match='class_embedding'):
-        unet.state_dict_from_diffusers(ours, weights)
+        diffusers_io.state_dict_from_diffusers(ours, weights)
     del weights['class_embedding.weight'], weights['conv_out.bias']
     with pytest.raises(KeyError, match='conv_out.bias'):
-        unet.state_dict_from_diffusers(ours, weights)
+        diffusers_io.state_dict_from_diffusers(ours, weights)
 
 
 def test_load_diffusers_missing_files(tmp_path):
     with pytest.raises(FileNotFoundError, match='config.json'):
-        unet.load_diffusers(str(tmp_path))
+        diffusers_io.load_diffusers(str(tmp_path))
     (tmp_path / 'config.json').write_text(json.dumps(dict(small_diffusers_model().config)))
     with pytest.raises(FileNotFoundError, match='safetensors'):
-        unet.load_diffusers(str(tmp_path))
+        diffusers_io.load_diffusers(str(tmp_path))

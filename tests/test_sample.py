@@ -53,7 +53,7 @@ def test_bits_per_dim(tmp_path):
                               device='cpu', data_dir=str(tmp_path))
     result = sample.main(cfg)['bpd']
     assert result['images'] == 3 and 0 < result['bits_per_dim'] < 20 and result['stderr'] > 0
-    model, _, sched = sample.load_model(str(tmp_path / 'pipe'), 'ema', torch.device('cpu'))
+    model, _, sched, _ = sample.load_model(str(tmp_path / 'pipe'), 'ema', torch.device('cpu'))
     assert sched.num_steps == 100
     images = data.make_shapes(10000, 16, seed=data.SHAPES_HELDOUT_SEED)[:3]  # the held-out shapes, as --bpd reads
     generator = torch.Generator().manual_seed(0)
@@ -151,9 +151,10 @@ def test_samples_use_the_checkpoints_schedule(tmp_path):
 
 def save_diffusers_pipeline(path, num_train_timesteps=100, variance_type='fixed_large'):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
+    import diffusers_io
     import model as unet
     config = unet.get_config('tiny', image_size=16, dropout=0.0)
-    theirs = diffusers.UNet2DModel(**unet.diffusers_config(config))
+    theirs = diffusers.UNet2DModel(**diffusers_io.diffusers_config(config))
     with torch.no_grad():
         for p in theirs.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
@@ -341,7 +342,7 @@ def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
     for tensor in saved['ema'].values():  # weights whose output matters (the untrained last layer is ~0)
         tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
     torch.save(saved, tmp_path / 'trained.pt')
-    model, _, sched = sample.load_model(str(tmp_path / 'trained.pt'), 'ema', torch.device('cpu'))
+    model, _, sched, _ = sample.load_model(str(tmp_path / 'trained.pt'), 'ema', torch.device('cpu'))
     for spacing in ('logsnr', 'time'):
         assert sample.cli(['--ckpt', str(tmp_path / 'trained.pt'), '--sampler', 'dpm++', '--steps', '4', '--spacing',
                            spacing, '--num', '3', '--batch-size', '3', '--device', 'cpu', '--format', 'npz',

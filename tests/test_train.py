@@ -13,6 +13,7 @@ import pytest
 import torch
 import torchvision
 
+import checkpoint
 import cli
 import data
 import diffusion
@@ -317,7 +318,7 @@ def test_resume_without_dropout_rng_restore_would_differ(tmp_path):
 
 def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
     path = str(tmp_path / 'ckpt.pt')
-    model.save_checkpoint({'step': 1, 'w': torch.ones(3)}, path)
+    checkpoint.save_checkpoint({'step': 1, 'w': torch.ones(3)}, path)
     assert os.listdir(tmp_path) == ['ckpt.pt']  # no temporary file left behind
 
     def crash_mid_write(obj, f, *args, **kwargs):
@@ -325,7 +326,7 @@ def test_interrupted_checkpoint_write_keeps_the_previous(tmp_path, monkeypatch):
         raise OSError('disk full')
     monkeypatch.setattr(torch, 'save', crash_mid_write)
     with pytest.raises(OSError):
-        model.save_checkpoint({'step': 2, 'w': torch.zeros(3)}, path)
+        checkpoint.save_checkpoint({'step': 2, 'w': torch.zeros(3)}, path)
     monkeypatch.undo()
     assert torch.load(path, weights_only=True)['step'] == 1
 
@@ -421,7 +422,7 @@ def test_resume_from_another_architecture(tmp_path, capsys):
     cfg = train.resolve_defaults(cli.parse_config(train_args(tmp_path, '--steps', '4'), train.TrainConfig),
                                  torch.device('cpu'))
     with pytest.raises(cli.ConfigError, match='written by 1 ranks, this run has 2'):
-        model.check_resumable(model.read_checkpoint(ckpt, 'x'), 'x', dataclasses.asdict(cfg),
+        checkpoint.check_resumable(checkpoint.read_checkpoint(ckpt, 'x'), 'x', dataclasses.asdict(cfg),
                               train.model_config_of(cfg), world_size=2)
 
 
@@ -709,9 +710,11 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 
 def test_modules_import_only_the_layers_below_them():
-    # cli at the bottom; then the model, the maths and the data; sampling; training; the benchmark.
+    # cli at the bottom; then the model, the maths and the data; diffusers' formats; our checkpoints;
+    # sampling; training; the benchmark.
     import ast
-    layer = {'cli': 0, 'model': 1, 'diffusion': 1, 'data': 1, 'sample': 2, 'train': 3, 'benchmark': 4}
+    layer = {'cli': 0, 'model': 1, 'diffusion': 1, 'data': 1, 'diffusers_io': 2, 'checkpoint': 3, 'sample': 4,
+             'train': 5, 'benchmark': 6}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
@@ -817,7 +820,7 @@ def heldout_loss_of(path, cfg_args=()):
     sched = diffusion.make_schedule(1000)
     losses = []
     for weights in ('model', 'ema'):
-        net = model.model_from_checkpoint(ckpt, weights, str(path))
+        net = checkpoint.model_from_checkpoint(ckpt, weights, str(path))
         losses.append(sample.heldout_losses(net, sched, heldout, cfg, torch.device('cpu')).mean().item())
     return losses
 
@@ -1093,9 +1096,9 @@ def test_a_stop_during_an_evaluation_saves_that_step_and_owes_it(tmp_path, monke
 def test_a_stop_during_start_up_exits_cleanly(tmp_path, monkeypatch, capsys):
     validate = train.validate
 
-    def sigterm_while_validating(*args):
+    def sigterm_while_validating(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGTERM)  # before the data and the model are built
-        return validate(*args)
+        return validate(*args, **kwargs)
     monkeypatch.setattr(train, 'validate', sigterm_while_validating)
     assert run(tmp_path, '--steps', '5') == 0
     assert 'stopped by SIGTERM before training started' in capsys.readouterr().out

@@ -1,0 +1,234 @@
+"""Our checkpoint files: the one format of train.py, sample.py and benchmark.py, written atomically
+and read with every check (a damaged file, another network, NaN weights), and the resume policy:
+which settings a resumed run replays, which must match, which may change with a warning."""
+import os
+import sys
+import zipfile
+from dataclasses import asdict, fields, replace
+
+import torch
+
+from cli import ConfigError, atomic_open, brief, disk_full_error
+from diffusers_io import diffusers_scheduler, read_diffusers
+from model import MODEL_VERSION, UNet, UNetConfig
+
+# The one checkpoint format, of train.py, sample.py and benchmark.py: a dict that loads with
+# torch.load(weights_only=True) and holds plain state dicts 'model' and 'ema', the run's
+# 'config' and 'model_config' (as dicts), 'model_version', and what an exact resume needs:
+# 'optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng' (one entry per rank), 'data'
+# (image count and fingerprint), 'train_seconds' and 'eval_owed'. train.checkpoint_state
+# writes it, train.restore reads it back.
+CHECKPOINT_REQUIRED = ('model', 'ema', 'config', 'model_config')
+RESUME_REQUIRED = ('optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng')  # and an exact resume these
+# The resume rule. A resumed run replays the settings given to the run (its 'flags'), with those
+# given at the resume on top, except where it resumes from and where its files go (by default
+# the checkpoint's folder). Given with another value: refused (an exact resume needs them), or
+# applied with a warning (the run then differs from an uninterrupted one), or applied (the rest:
+# length, logging, outputs, speed). Settings that 'auto' resolves per device are resolved again.
+NOT_REPLAYED = ('resume', 'out_dir')
+RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout',
+                     'prediction')
+CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp', 'loss_weight', 'snr_gamma')
+# What a checkpoint written before a setting existed trained with.
+SETTINGS_BEFORE_THEY_EXISTED = {'prediction': 'eps', 'loss_weight': 'uniform', 'snr_gamma': None}
+RESOLVED_PER_DEVICE = ('amp', 'compile', 'channels_last', 'fused_adam', 'loader')
+
+
+def resume_path(resume: str, out_dir: str) -> str:
+    """What train.py --resume means: 'auto' is OUT_DIR/ckpt.pt when it exists and a fresh run
+    otherwise. A fresh run never overwrites a checkpoint (nor appends to another run's
+    metrics.jsonl), and a run is never resumed into another run's folder."""
+    ckpt_path = os.path.join(out_dir, 'ckpt.pt')
+    if resume == 'auto':
+        return ckpt_path if os.path.isfile(ckpt_path) else ''
+    if not resume and os.path.isfile(ckpt_path):
+        raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
+                          f'or pass another --out-dir')
+    if resume and os.path.isfile(resume) and not zipfile.is_zipfile(resume):
+        raise ConfigError(f'--resume {resume}: not a train.py checkpoint (not a file written by torch.save)')
+    if resume and os.path.isfile(resume) and os.path.isfile(ckpt_path) and not os.path.samefile(resume, ckpt_path):
+        raise ConfigError(f'--resume {resume} into --out-dir {out_dir}, which holds {ckpt_path} (another run\'s, '
+                          f'or a later one of this run) that the resumed run would overwrite: pass another --out-dir')
+    return resume
+
+
+def resume_settings(cfg, given: set) -> tuple:
+    """(config, flags, checkpoint or None) of train.py's config `cfg` whose fields `given` were
+    set on the command line. A resumed run replays the checkpoint's flags with the given ones on
+    top, so `train.py --resume PATH` alone continues the run as it was, in PATH's folder; `flags`
+    is what the next checkpoint saves for the next resume."""
+    if cfg.resume not in ('', 'auto') and 'out_dir' not in given:
+        cfg = replace(cfg, out_dir=os.path.dirname(cfg.resume) or '.')
+    cfg = replace(cfg, resume=resume_path(cfg.resume, cfg.out_dir))
+    now = {name: getattr(cfg, name) for name in sorted(given) if name not in NOT_REPLAYED}
+    if not cfg.resume:
+        return cfg, now, None
+    ckpt = read_checkpoint(cfg.resume, f'--resume {cfg.resume}')
+    saved = ckpt.get('flags')
+    if saved is None:  # a checkpoint from before flags were saved: its settings, less those resolved per device
+        saved = {k: v for k, v in ckpt['config'].items() if k not in NOT_REPLAYED + RESOLVED_PER_DEVICE}
+    saved = dict(saved)
+    if 'epochs' in given and 'steps' not in given:
+        saved.pop('steps', None)  # --epochs given now sets the length; a replayed --steps would win over it
+    moved = os.path.realpath(str(ckpt['config'].get('out_dir'))) != os.path.realpath(cfg.out_dir)
+    if moved and 'samples_dir' not in given:  # a copy resumed elsewhere keeps its grids in its own folder
+        saved['samples_dir'] = os.path.join(cfg.out_dir, 'samples')
+    flags = {k: v for k, v in {**saved, **now}.items() if k in {f.name for f in fields(cfg)}}
+    return type(cfg)(**flags, resume=cfg.resume, out_dir=cfg.out_dir), flags, ckpt
+
+
+def warn_of_changes(ckpt: dict, cfg):
+    """A warning for each CHANGED_WITH_WARNING setting of the resumed run (resolved) that
+    differs from the checkpoint's."""
+    for name in CHANGED_WITH_WARNING:
+        theirs = ckpt['config'].get(name, SETTINGS_BEFORE_THEY_EXISTED.get(name))
+        if theirs != getattr(cfg, name):
+            print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint's: {theirs}): the resumed "
+                  f"run trains on with it, and will differ from an uninterrupted one", file=sys.stderr)
+
+
+def already_done(ckpt: dict, cfg) -> dict | None:
+    """If the checkpoint holds the run's last step (--steps, or --epochs whole epochs), says so
+    and returns the result of a run with nothing left to do; else None (also when an evaluation
+    cut short by a stop is owed: the resumed run runs it)."""
+    if ((ckpt['step'] < cfg.steps) if cfg.steps else (ckpt['epoch'] < cfg.epochs)) or (
+            ckpt.get('eval_owed') and cfg.eval_every):
+        return None
+    target = f'--steps {cfg.steps}' if cfg.steps else f'--epochs {cfg.epochs}'
+    past = ckpt['step'] > cfg.steps if cfg.steps else (ckpt['epoch'], ckpt['batch_in_epoch']) > (cfg.epochs, 0)
+    print(f"{cfg.resume} holds step {ckpt['step']} (epoch {ckpt['epoch']}, batch {ckpt['batch_in_epoch']}), "
+          f"{'past' if past else 'at'} the target {target}: nothing to train. Raise {target.split()[0]} to "
+          f"train on.", flush=True)
+    return {'step': ckpt['step'], 'stopped': None, 'last': {}, 'checkpoint': cfg.resume, 'already_done': True}
+
+
+def save_checkpoint(state: dict, path: str):
+    """torch.save through a temporary file and a rename: a crash mid-write leaves the previous
+    checkpoint whole, and a failed write (a full disk) leaves no partial file and is an OSError
+    naming the path and the free space (torch's writer reports it as a RuntimeError, the flush
+    before the rename as a bare OSError)."""
+    try:
+        with atomic_open(path, 'wb') as f:
+            torch.save(state, f)
+    except (RuntimeError, OSError) as error:
+        raise disk_full_error(path, error) from None
+
+
+def read_checkpoint(path: str, what: str) -> dict:
+    """A checkpoint, loaded without running code from the file. Anything else (no file, junk, a
+    dict of something else, a checkpoint of the network before it was made the paper's) is a
+    one-line ConfigError starting with `what` (such as '--resume PATH')."""
+    if not os.path.isfile(path):
+        raise ConfigError(f'{what}: no such checkpoint')
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise ConfigError(f'{what}: not a train.py checkpoint (not a file written by torch.save)')
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as error:
+        raise ConfigError(f'{what}: not a train.py checkpoint (cannot load it: {brief(error)})') from None
+    if not isinstance(ckpt, dict) or not set(CHECKPOINT_REQUIRED) <= set(ckpt):
+        raise ConfigError(f'{what}: not a train.py checkpoint (it lacks the model, EMA or config)')
+    # Version 1 (no SiLU before the timestep projections, symmetric downsampling padding,
+    # GroupNorm eps 1e-5) has the same tensors but computes another function.
+    version = ckpt.get('model_version', 1)
+    if version != MODEL_VERSION:
+        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
+                          f'(the paper\'s network); its weights do not compute the same function, so retrain')
+    return ckpt
+
+
+def checkpoint_model_config(ckpt: dict, what: str) -> UNetConfig:
+    try:
+        return UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
+    except (TypeError, ValueError, AttributeError) as error:
+        raise ConfigError(f'{what}: not a train.py checkpoint (its model_config: {brief(error)})') from None
+
+
+def model_from_checkpoint(ckpt: dict, weights: str, what: str) -> UNet:
+    """The UNet of a checkpoint with its 'ema' or 'model' weights, in eval mode on the CPU."""
+    if ckpt.get(weights) is None:
+        raise ConfigError(f'{what} holds no {weights} weights')
+    model = UNet(checkpoint_model_config(ckpt, what))
+    try:
+        model.load_state_dict(ckpt[weights])
+    except (RuntimeError, TypeError, AttributeError) as error:
+        raise ConfigError(f'{what}: its {weights} weights do not fit its model_config ({brief(error, 300)})') from None
+    return model.eval()
+
+
+def check_resumable(ckpt: dict, what: str, config: dict, model_config: UNetConfig, world_size: int):
+    """An exact resume needs the same architecture, the same RESUME_MUST_MATCH settings and the
+    same number of ranks (one RNG state each). Checked before any data is loaded."""
+    missing = [key for key in RESUME_REQUIRED if key not in ckpt]
+    if missing:
+        raise ConfigError(f'{what}: not a complete train.py checkpoint (it lacks {", ".join(missing)})')
+    diffs = architecture_differences(ckpt['model_config'], model_config)
+    if diffs:
+        raise ConfigError(f'{what}: the checkpoint is another architecture: {", ".join(diffs)}')
+    for weights in ('model', 'ema'):
+        if ckpt[weights] is not None:
+            require_finite(ckpt[weights], f'{what}: its {weights} weights', 'resume an earlier checkpoint')
+    try:
+        saved, ranks = {**SETTINGS_BEFORE_THEY_EXISTED, **ckpt['config']}, len(ckpt['rng'])
+        differing = [name for name in RESUME_MUST_MATCH if saved[name] != config[name]]
+    except (KeyError, TypeError) as error:
+        raise ConfigError(f'{what}: not a complete train.py checkpoint ({brief(error)})') from None
+    for name in differing:
+        raise ConfigError(f'{what}: the checkpoint has --{name.replace("_", "-")} {saved[name]}, this run '
+                          f'{config[name]}; an exact resume needs the same value')
+    if ranks != world_size:
+        raise ConfigError(f'{what}: written by {ranks} ranks, this run has {world_size}')
+
+
+def check_same_data(ckpt: dict, what: str, data_identity: dict, data_dir: str):
+    """An exact resume needs the same images: the checkpoint's image count and fingerprint
+    (data.fingerprint) against those of the data set loaded now."""
+    saved = ckpt.get('data')
+    if saved is None:
+        return  # a checkpoint from before fingerprints: the settings check is all there is
+    if saved != data_identity:
+        raise ConfigError(f"{what}: the checkpoint was trained on another data set ({saved['count']} images, "
+                          f"fingerprint {saved['fingerprint'][:12]}); {data_dir} has {data_identity['count']} "
+                          f"images, fingerprint {data_identity['fingerprint'][:12]}")
+
+
+def architecture_differences(theirs, config: UNetConfig) -> list:
+    """'field=theirs (now ours)' for every field of the network in which a saved model_config
+    (a dict) differs from `config`; attention and dropout hold no weights and may differ."""
+    theirs = theirs if isinstance(theirs, dict) else {}
+    return [f'{k}={theirs.get(k)!r} (now {v!r}{": channel counts differ" if k == "in_channels" else ""})'
+            for k, v in asdict(config).items() if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]
+
+
+def initial_weights(path: str, config: UNetConfig, prediction: str = 'eps') -> dict:
+    """The state dict that train.py --init-from starts from: a checkpoint of ours (its EMA weights)
+    or a diffusers UNet2DModel / pipeline folder, refused with one line unless it is the network
+    of `config` trained to predict what this run predicts (an eps network's output is no v)."""
+    what = f'--init-from {path}'
+    if os.path.isdir(path):
+        model, theirs_predict = read_diffusers(path, what), diffusers_scheduler(path, what)['prediction']
+        theirs = asdict(model.config)
+    else:
+        ckpt = read_checkpoint(path, what)
+        model, theirs = model_from_checkpoint(ckpt, 'ema', what), ckpt['model_config']
+        theirs_predict = ckpt['config'].get('prediction', 'eps')
+    require_finite(model.state_dict(), f'{what}: its weights', 'start from an earlier checkpoint')
+    if theirs_predict != prediction:
+        raise ConfigError(f'{what}: its network predicts {theirs_predict}, this run --prediction {prediction}: '
+                          f'start from a network that predicts {prediction}')
+    diffs = architecture_differences(theirs, config)
+    if diffs:
+        raise ConfigError(f'{what}: another architecture than --preset, --image-size and --dataset give: '
+                          f'{", ".join(diffs)}')
+    return model.state_dict()
+
+
+def require_finite(state: dict, what: str, instead: str):
+    """Weights are read only when every one is finite: a NaN would make every sample, loss and
+    step NaN. `what` names them ('--resume PATH: its ema weights'), `instead` says what to do."""
+    if not all(t.isfinite().all() for t in state.values() if t.is_floating_point()):
+        raise ConfigError(f'{what} are not finite (NaN or inf): {instead}')
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value

@@ -1,0 +1,238 @@
+"""Real handwritten digits (scikit-learn's, no download) and the quality score that needs no
+download: the split, one-channel training and sampling, and a score shown to measure what it
+names (its floor, noise, broken and collapsed samples far above it, monotone under blur,
+blind to the order of the samples)."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+from torchvision.transforms.functional import gaussian_blur
+
+import data
+import sample
+import train
+from helpers import train_args
+
+
+@pytest.fixture(scope='module')
+def judge(tmp_path_factory):
+    return sample.DigitsJudge(16, str(tmp_path_factory.mktemp('digits-cache')))
+
+
+@pytest.fixture(scope='module')
+def digits_ckpt(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp('digits-run')
+    assert train.cli(train_args(tmp, '--dataset', 'digits', '--steps', '4', '--sample-every', '0',
+                                '--data-dir', str(tmp / 'data'))) == 0
+    return str(tmp / 'run' / 'ckpt.pt')
+
+
+def digits(heldout: bool, size: int = 16):
+    return data.load_digits_split(size, heldout)
+
+
+# ----------------------------------------------------------------------------- the data set
+
+def test_the_split_is_fixed_stratified_and_holds_every_digit_once():
+    from sklearn.datasets import load_digits
+    train_images, train_labels = digits(False, 8)
+    held_images, held_labels = digits(True, 8)
+    assert train_images.shape == (1347, 1, 8, 8) and held_images.shape == (450, 1, 8, 8)
+    assert train_images.dtype == torch.uint8
+    # Every digit of the package once, in one part or the other, its 17 levels as 0..255.
+    original = load_digits()
+    expected = sorted(np.round(original.images * 255 / 16).astype(np.uint8).reshape(1797, -1).tobytes()[i * 64:(i + 1) * 64]
+                      for i in range(1797))
+    ours = sorted(torch.cat([train_images, held_images]).reshape(1797, -1).numpy().tobytes()[i * 64:(i + 1) * 64]
+                  for i in range(1797))
+    assert ours == expected
+    assert set(torch.cat([train_images, held_images]).unique().tolist()) <= {round(k * 255 / 16) for k in range(17)}
+    # Stratified: each class holds out a quarter of its digits (to within one).
+    totals = np.bincount(original.target, minlength=10)
+    assert np.all(np.abs(held_labels.bincount(minlength=10).numpy() - 0.25 * totals) <= 1)
+    assert torch.equal(digits(True, 8)[0], held_images)  # fixed: the same split on every call
+    # Resized for the model, one channel.
+    assert digits(False, 16)[0].shape == (1347, 1, 16, 16) and data.channels_of('digits') == 1
+
+
+def test_digits_train_one_channel_without_flips(tmp_path):
+    dataset = data.load_dataset('digits', str(tmp_path), 16)
+    assert torch.equal(dataset.images, digits(False)[0])
+    loader = data.make_loader('gpu', dataset, 8, 0, 'cpu', flip=data.flipped_in_training('digits'))
+    permutation, _ = loader.shard(0)
+    first = next(loader.epoch(0))
+    assert first.shape == (8, 1, 16, 16)
+    assert torch.equal(first, dataset.images[permutation[:8]].float() / 127.5 - 1)  # as stored: no mirrored digits
+    assert data.flipped_in_training('shapes') and not data.flipped_in_training('digits')
+
+
+def test_without_scikit_learn_one_line_says_how_to_install(monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_sklearn(name, *args, **kwargs):
+        if name.startswith('sklearn'):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+    data._digits_split.cache_clear()
+    monkeypatch.setattr(builtins, '__import__', no_sklearn)
+    try:
+        with pytest.raises(data.DataError, match='pip install scikit-learn'):
+            data.load_digits_split(16, False)
+    finally:
+        monkeypatch.undo()
+        data._digits_split.cache_clear()
+
+
+# ----------------------------------------------------------------------------- the score measures what it names
+
+def test_the_classifier_is_accurate_and_cached(tmp_path, monkeypatch):
+    classifier, accuracy = sample.digits_classifier(16, str(tmp_path))
+    assert accuracy >= 0.97
+    with torch.no_grad():
+        images, labels = digits(True)
+        assert (classifier(images).argmax(1) == labels).double().mean().item() == accuracy
+    cached = [name for name in os.listdir(tmp_path) if name.startswith('digits_classifier_16_')]
+    assert len(cached) == 1
+    monkeypatch.setattr(sample, 'train_digits_classifier', lambda size: pytest.fail('retrained'))
+    again, _ = sample.digits_classifier(16, str(tmp_path))
+    assert all(torch.equal(a, b) for a, b in zip(classifier.state_dict().values(), again.state_dict().values()))
+
+
+def test_the_floor_and_far_worse_scores_for_noise_and_broken_digits(judge):
+    held = digits(True)[0]
+    # Against the training split's statistics; the floor is the held-out digits' score.
+    reference = judge.features(digits(False)[0])
+    assert np.array_equal(judge.reference, reference)
+    assert np.allclose(judge.reference_stats['mu'], reference.mean(0), rtol=0, atol=1e-12)
+    assert np.allclose(judge.reference_stats['sigma'], np.cov(reference.T), rtol=0, atol=1e-9)
+    floor = judge.score(judge.features(held))
+    assert floor == judge.floor
+    assert floor['digits_fd'] < 15 and abs(floor['digits_kid']) < 3 * floor['digits_kid_std'] + 1e3
+    assert floor['digits_confident'] > 0.9 and floor['digits_class_entropy'] > 3.3
+    generator = torch.Generator().manual_seed(0)
+    noise = torch.randint(0, 256, held.shape, dtype=torch.uint8, generator=generator)
+    shuffled = torch.stack([image.flatten()[torch.randperm(256, generator=generator)].view(1, 16, 16) for image in held])
+    for broken in (noise, shuffled):
+        score = judge.score(judge.features(broken))
+        assert score['digits_fd'] > 50 * floor['digits_fd']
+        assert score['digits_kid'] > 20 * floor['digits_kid_std']
+        assert score['digits_confident'] < 0.8
+
+
+def test_a_collapse_to_few_digits_scores_worse_than_balanced_digits(judge):
+    images, labels = digits(False)
+    collapsed = images[(labels == 1) | (labels == 7)]
+    balanced = images[torch.randperm(len(images), generator=torch.Generator().manual_seed(0))[:len(collapsed)]]
+    one = images[labels == 3][:len(collapsed)]
+    few, many, single = (judge.score(judge.features(x)) for x in (collapsed, balanced, one))
+    assert few['digits_fd'] > 20 * many['digits_fd'] and single['digits_fd'] > few['digits_fd']
+    assert few['digits_kid'] > many['digits_kid'] + 10 * many['digits_kid_std']
+    assert abs(few['digits_class_entropy'] - 1.0) < 0.05 and single['digits_class_entropy'] < 0.1
+    assert many['digits_class_entropy'] > 3.25
+
+
+def test_blur_of_growing_width_scores_strictly_worse(judge):
+    held = digits(True)[0].float()
+    scores = [judge.score(judge.features(held.to(torch.uint8)))['digits_fd']]
+    for sigma in (0.5, 1.0, 1.5, 2.0, 3.0):
+        blurred = gaussian_blur(held, kernel_size=9, sigma=sigma).round().clamp(0, 255).to(torch.uint8)
+        scores.append(judge.score(judge.features(blurred))['digits_fd'])
+    assert all(a < b for a, b in zip(scores, scores[1:])), scores
+
+
+def test_the_score_ignores_the_order_of_samples_and_is_reproducible(judge, tmp_path):
+    images = torch.cat([digits(False)[0], digits(True)[0]])  # more than KID's subsets hold: they draw from them
+    features = judge.features(images)
+    first = judge.score(features)
+    reordered = judge.score(judge.features(images[torch.randperm(len(images), generator=torch.Generator().manual_seed(1))]))
+    for key in ('digits_fd', 'digits_kid', 'digits_kid_std', 'digits_confident', 'digits_class_entropy'):
+        assert reordered[key] == pytest.approx(first[key], rel=1e-9, abs=1e-9), key
+    # A classifier trained again from its seed gives the same score.
+    assert sample.DigitsJudge(16, str(tmp_path)).score(features) == first
+
+
+def test_kid_is_the_unbiased_mmd_with_the_cubic_kernel(judge):
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(40, 6, generator=generator, dtype=torch.float64).numpy()
+    b = (torch.randn(40, 6, generator=generator, dtype=torch.float64) + 0.3).numpy()
+    kernel = lambda x, y: (x @ y.T / x.shape[1] + 1) ** 3  # noqa: E731
+    m = len(a)
+    k_aa, k_bb, k_ab = kernel(a, a), kernel(b, b), kernel(a, b)
+    by_hand = ((k_aa.sum() - np.trace(k_aa)) / (m * (m - 1)) + (k_bb.sum() - np.trace(k_bb)) / (m * (m - 1))
+               - 2 * k_ab.mean())
+    mean, std = sample.kernel_distance(a, b)  # subsets of all m samples: the whole sets
+    assert mean == pytest.approx(by_hand, rel=1e-9) and std == pytest.approx(0, abs=1e-9)
+
+
+# ----------------------------------------------------------------------------- the scripts on digits
+
+def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, tmp_path, capsys):
+    data_dir = str(tmp_path / 'data')
+    common = ['--ckpt', digits_ckpt, '--num', '6', '--batch-size', '3', '--steps', '2', '--device', 'cpu']
+    result = sample.main(sample.parse_config(common + ['--out', str(tmp_path / 'png'), '--fid', '--data-dir', data_dir],
+                                             sample.SampleConfig))
+    from PIL import Image
+    with Image.open(tmp_path / 'png' / '000005.png') as image:
+        assert image.mode == 'L' and image.size == (16, 16)
+    score = result['digits']
+    assert 'fid' not in result and score['digits_samples'] == 6 and score['floor']['digits_fd'] < 15
+    assert 'digit classifier' in capsys.readouterr().out and 'accuracy' in score['digits_features']
+    # The score of the files on disk, as any other tool would read them.
+    images = torch.stack([torch.from_numpy(np.array(Image.open(tmp_path / 'png' / f'{i:06d}.png')))[None]
+                          for i in range(6)])
+    judge = sample.DigitsJudge(16, data_dir)
+    assert judge.score(judge.features(images))['digits_fd'] == score['digits_fd']
+    assert sample.cli(common + ['--out', str(tmp_path / 'npz'), '--format', 'npz']) == 0
+    assert np.load(tmp_path / 'npz' / 'samples_6x16.npz')['arr_0'].shape == (6, 16, 16, 1)
+
+
+def test_sample_py_states_what_the_heldout_split_holds_and_refuses_rgb_references(digits_ckpt, tmp_path, capsys):
+    assert sample.cli(['--ckpt', digits_ckpt, '--bpd', '--bpd-num', '1000', '--bpd-timesteps', '1', '--device', 'cpu',
+                       '--batch-size', '500']) == 0
+    out = capsys.readouterr().out
+    assert '--bpd-num 1000: digits holds 450 images' in out and 'bits/dim on digits (450 images)' in out
+    assert sample.cli(['--ckpt', digits_ckpt, '--fid', '--fid-data', 'shapes', '--device', 'cpu',
+                       '--out', str(tmp_path / 'x')]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count('\n') == 0 and 'channel' in err and not os.path.exists(tmp_path / 'x')
+
+
+def test_eval_every_on_digits_logs_the_digits_score_never_as_fid(tmp_path):
+    args = train_args(tmp_path, '--dataset', 'digits', '--steps', '6', '--sample-every', '0', '--eval-every', '24',
+                      '--eval-samples', '8', '--eval-bpd-images', '500', '--eval-bpd-timesteps', '2',
+                      '--data-dir', str(tmp_path / 'data'))
+    assert train.cli(args) == 0
+    rows = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
+    evals = [r for r in rows if r.get('kind') == 'eval']
+    assert [r['images_seen'] for r in evals] == [24, 48]
+    for row in evals:
+        assert 'fid' not in row and row['digits_samples'] == 8 and 'digit' in row['digits_features']
+        assert row['digits_fd'] > row['digits_fd_floor'] and row['bpd_images'] == 450
+    assert (tmp_path / 'run' / 'curves.png').stat().st_size > 0
+
+
+@pytest.mark.parametrize('flags, expected', [
+    (['--image-size', '10'], 'cannot be halved'),
+    (['--init-from', 'RGB'], 'channel counts differ'),
+])
+def test_bad_input_on_digits_is_one_line(tmp_path, capsys, flags, expected):
+    if 'RGB' in flags:
+        assert train.cli(train_args(tmp_path / 'rgb', '--steps', '1', '--sample-every', '0')) == 0
+        flags = ['--init-from', str(tmp_path / 'rgb' / 'run' / 'ckpt.pt')]
+        capsys.readouterr()
+    assert train.cli(train_args(tmp_path, '--dataset', 'digits', '--steps', '1', *flags)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith('error:') and err.count('\n') == 0 and expected in err, err
+    assert not os.path.exists(tmp_path / 'run' / 'ckpt.pt')
+
+
+def test_resume_of_an_rgb_run_as_digits_is_refused(tmp_path, capsys):
+    assert train.cli(train_args(tmp_path, '--steps', '2', '--sample-every', '0')) == 0
+    ckpt = str(tmp_path / 'run' / 'ckpt.pt')
+    capsys.readouterr()
+    assert train.cli(['--resume', ckpt, '--dataset', 'digits', '--steps', '4']) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count('\n') == 0 and ('in_channels' in err or '--dataset' in err), err
