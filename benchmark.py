@@ -28,7 +28,6 @@ import re
 import statistics
 import sys
 import time
-import timeit
 import typing
 from dataclasses import asdict, dataclass
 
@@ -40,12 +39,13 @@ import data
 import diffusion
 import sample
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, atomic_path, autocast, brief, check_ranges, check_writable, flag, fmt,
-                 gpu_peak_key, markdown_table, parse_config, peak_tflops, pick_device, precision_of, provenance, pyplot,
-                 remove_dead_writers, run_main, save_figure, synchronize, write_report)
+from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, atomic_path, autocast, brief, check_ranges,
+                 check_writable, cpu_peaks, flag, format_or_na, gpu_peak_key, markdown_table, parse_config, peak_tflops,
+                 pick_device, precision_of, provenance, pyplot, refused_as, remove_dead_writers, run_main, save_figure,
+                 synchronize, write_report)
 from diffusers_io import RECIPE, DiffusersUNet, recipe_batches, recipe_loader, recipe_parts, recipe_step
-from model import (PRESETS, ROOFLINE_CATEGORIES, StepCounter, UNet, categorise, count_flops, count_params,
-                   count_torchinfo_flops, cuda_policy, get_config)
+from model import (FUSED_ASSUMPTIONS, PRESETS, ROOFLINE_CATEGORIES, StepCounter, UNet, categorise, ceiling,
+                   count_flops, count_params, count_torchinfo_flops, cuda_policy, get_config, roofline_bounds)
 
 
 @dataclass
@@ -86,7 +86,8 @@ class BenchConfig:
     compile_backend: str = flag('auto', 'torch.compile backend of the compiled rows (auto: inductor, but eager under '
                                         '--quick on a CPU: dynamo traces, the graph runs eagerly, no minutes of C++ '
                                         'builds)', choices=('auto', 'inductor', 'aot_eager', 'eager'))
-    profile: bool = flag(False, 'profile the best row: Chrome/Perfetto trace, top ops table and chart')
+    profile: bool = flag(False, 'profile the start row\'s step (--from-row): a Chrome/Perfetto trace, the top ops, and '
+                                'each category\'s time beside its bound on this device (see --roofline)')
     sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
                        choices=('', 'batch', 'workers', 'amp', 'compile'))
     sweep_values: str = flag('', 'comma-separated batch sizes or worker counts for --sweep batch|workers '
@@ -106,7 +107,8 @@ class BenchConfig:
                                  'of it (on a CPU, against its measured peaks)')
     gpu: str = flag('', 'the GPU of the --roofline bound (default: this one, else h100-sxm; others through the '
                         'peak flags)', choices=('', 'h100-sxm', 'h200', 'a100-40gb', 'a100-80gb'))
-    precision: str = flag('bf16', 'precision of the --roofline step (bf16: autocast)', choices=('bf16', 'fp32'))
+    precision: str | None = flag(None, 'precision of the --roofline and --profile step (default: bf16 autocast; fp32 '
+                                       'for --profile on a CPU)', choices=('bf16', 'fp32'))
     bandwidth_gbs: float | None = flag(None, 'memory bandwidth in GB/s of the --roofline GPU (overrides the table)',
                                        positive=True)
     out_dir: str = flag('', 'where the JSON, Markdown and PNG go (default: results/ on a GPU, runs/benchmark/ on '
@@ -181,9 +183,11 @@ def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
     seconds), then --quick's cuts; TF32 as --tf32 says."""
     cuda = device.type == 'cuda'
     default = (lambda on_gpu, on_cpu: on_gpu if cuda else on_cpu)  # noqa: E731
-    bench = dataclasses.replace(bench, preset=bench.preset or default('ddpm-cifar10', 'tiny'),
-                                warmup=default(10, 3) if bench.warmup is None else bench.warmup,
-                                iters=bench.iters or default(50, 10), sample_batch=bench.sample_batch or default(1000, 64))
+    bench = dataclasses.replace(
+        bench, preset=bench.preset or default('ddpm-cifar10', 'tiny'), iters=bench.iters or default(50, 10),
+        warmup=default(10, 3) if bench.warmup is None else bench.warmup,
+        precision=bench.precision or ('fp32' if bench.profile and not cuda else 'bf16'),  # a CPU's own step: fp32
+        sample_batch=bench.sample_batch or default(1000, 64))
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
     if bench.quick:
         bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2), batch_size=min(bench.batch_size, 4),
@@ -276,9 +280,9 @@ def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, datase
         if compile_scope == 'model':
             mode = None if row_cfg.compile_mode == 'default' or options else row_cfg.compile_mode
             net = torch.compile(run.model, mode=mode, **options)
-            run.loss = train.make_loss(dataclasses.replace(row_cfg, compile=False), net, run.sched, device)
+            run.compute_loss = train.make_loss(dataclasses.replace(row_cfg, compile=False), net, run.sched, device)
         elif options:
-            run.loss = train.make_loss(row_cfg, run.model, run.sched, device, mode=None, **options)
+            run.compute_loss = train.make_loss(row_cfg, run.model, run.sched, device, mode=None, **options)
     return run
 
 
@@ -341,7 +345,7 @@ def row_line(index: int, total: int, r: dict) -> str:
     if 'failed' in r or 'skipped' in r:
         return head + ('FAILED: ' + r['failed'] if 'failed' in r else 'skipped: ' + r['skipped'])
     return head + (f"{r['ms_per_iter']:.2f} ms/iter, {r['img_per_s']:,.0f} img/s, {r['tflops']:.2f} TFLOP/s, "
-                   f"MFU {fmt(r['mfu'], '.1%')} ({r['precision']}), {fmt(r.get('speedup'), '.2f')}x; "
+                   f"MFU {format_or_na(r['mfu'], '.1%')} ({r['precision']}), {format_or_na(r.get('speedup'), '.2f')}x; "
                    f"first iteration {r['compile_s']:.1f} s")
 
 
@@ -352,7 +356,7 @@ def add_speedups(rows: list):
             r['speedup'] = r['img_per_s'] / baseline['img_per_s']
 
 
-# ----------------------------------------------------------------------------- the peers (diffusers_io holds their code)
+# ----------------------------------------------------------------------------- the peers (their code: diffusers_io)
 
 def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """The model peer: diffusers' UNet2DModel under the settings of our fastest row (compile,
@@ -410,31 +414,35 @@ def diffusers_missing_reason() -> str | None:
 
 
 def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
-    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder reads)
-    next to the data, written once: what the example trains from. Written into FOLDER.tmp-PID and
-    renamed into place, so a folder is whole or absent: of two concurrent writers the second's rename
-    fails and its copy is discarded; a killed writer's copy is removed by the next one."""
-    from torchvision.io import write_png
-    folder = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}-png')
-    if not os.path.isdir(folder):
-        print(f'writing {folder} for the diffusers recipe row ...', flush=True)
-        remove_dead_writers(folder)
-        with atomic_path(folder, durable=False, unique=True) as tmp:
-            os.makedirs(os.path.join(tmp, 'images'))
-            for index in range(len(dataset)):
-                write_png(dataset[index], os.path.join(tmp, 'images', f'{index:06d}.png'))
-    return folder
+    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder reads):
+    what diffusers' example trains from."""
+    def write(tmp):
+        from torchvision.io import write_png
+        os.makedirs(os.path.join(tmp, 'images'))
+        for index in range(len(dataset)):
+            write_png(dataset[index], os.path.join(tmp, 'images', f'{index:06d}.png'))
+    return written_once(bench, dataset_name, dataset, '-png', 'the diffusers recipe row', write)
 
 
 def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
-    """The benchmark's data set as a raw-RGB .beton next to the data, written once, as the PNG
-    folder is: concurrent benchmarks each write their own and share the one renamed first."""
-    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}.beton')
-    if not os.path.isfile(path):
-        print(f'writing {path} for the FFCV rows ...', flush=True)
+    """The benchmark's images as a raw-RGB .beton, for the FFCV rows."""
+    def write(tmp):
+        data.write_beton(dataset, tmp, num_workers=bench.num_workers or 1)
+    return data.BetonDataset(written_once(bench, dataset_name, dataset, '.beton', 'the FFCV rows', write))
+
+
+def written_once(bench: BenchConfig, dataset_name: str, dataset, suffix: str, what: str, write) -> str:
+    """DATA_DIR/bench-<set>-<count>x<size><suffix>, the images in another form, written once by
+    write(tmp) into PATH.tmp-PID and renamed into place: it is whole or absent. Concurrent benchmarks
+    each write their own and share the one renamed first (a second folder is discarded); a killed
+    writer's copy is removed by the next one."""
+    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}{suffix}')
+    if not os.path.exists(path):
+        print(f'writing {path} for {what} ...', flush=True)
         remove_dead_writers(path)
-        data.write_beton(dataset, path, num_workers=bench.num_workers or 1)
-    return data.BetonDataset(path)
+        with atomic_path(path, durable=False, unique=True) as tmp:
+            write(tmp)
+    return path
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -467,9 +475,10 @@ def ladder_table(rows: list) -> str:
             return [r['name'], r.get('batch_size', ''), f"skipped: {r['skipped']}" if 'skipped' in r
                     else f"FAILED: {r['failed']}"] + [''] * 7
         return [r['name'], r['batch_size'], {'tf32': 'fp32 (TF32 allowed)'}.get(r['precision'], r['precision']),
-                f"{r['ms_per_iter']:.2f}", f"{r['img_per_s']:,.0f}", f"{r['tflops']:.2f}", fmt(r['mfu'], '.1%'),
-                f"{r['mfu_a100']:.1%}", fmt(r.get('speedup'), '.2f') + ('x' if r.get('speedup') else ''),
-                fmt(r['peak_mem_gb'], '.2f')]
+                f"{r['ms_per_iter']:.2f}", f"{r['img_per_s']:,.0f}", f"{r['tflops']:.2f}",
+                format_or_na(r['mfu'], '.1%'),
+                f"{r['mfu_a100']:.1%}", format_or_na(r.get('speedup'), '.2f') + ('x' if r.get('speedup') else ''),
+                format_or_na(r['peak_mem_gb'], '.2f')]
     return markdown_table(['Version', 'Batch', 'Precision', 'ms/iter', 'img/s', 'TFLOP/s', 'MFU', 'MFU (A100 peak)',
                            'Speedup', 'Peak mem (GB)'], [cells(r) for r in rows])
 
@@ -644,15 +653,9 @@ def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typin
         draw = functools.partial(diffusion.run_sampler, name, model, sched, shape, steps, generator, device)
         try:
             with autocast('bf16' if precision == 'bf16' else 'off', device):
-                start = time.perf_counter()
-                draw()
-                synchronize(device)
-                first, clock = time.perf_counter() - start, Clock(device)
-                clock.mark()
-                for _ in range(repeats):
-                    draw()
-                    clock.mark()
-                seconds = statistics.median(clock.intervals_ms()) / 1e3
+                timing = time_iterations(lambda step: draw(), device,
+                                         dataclasses.replace(bench, warmup=0, iters=repeats), label)
+            first, seconds = timing['compile_s'], timing['ms_per_iter'] / 1e3
         except Exception as error:  # a sampler that fails here is reported, not fatal to the table
             yield {'name': label, 'error': brief(error, 300)}
             continue
@@ -685,7 +688,7 @@ def sampling_table(rows: list) -> str:
                            '50k images'],
                           [[r['name'], '', f"failed: {r['error']}"] + [''] * 6 if 'error' in r else
                            [r['name'], r['batch_size'], r['precision'], r['settings'], f"{r['seconds_per_batch']:.3f}",
-                            f"{r['img_per_s']:,.1f}", f"{r['tflops']:.2f}", fmt(r['mfu'], '.1%'),
+                            f"{r['img_per_s']:,.1f}", f"{r['tflops']:.2f}", format_or_na(r['mfu'], '.1%'),
                             f"{r['seconds_for_50k'] / 60:.1f} min"] for r in rows])
 
 
@@ -753,7 +756,8 @@ def run_quality(bench: BenchConfig) -> dict:
          f"{r['heldout_loss_ema']:.5f}"] + ([f"{r['digits_fd']:.2f}"] if digits else []) + [f"{r['seconds']:.1f}"]
         for r in result['runs']]) + '\n\n' + markdown_table(
         ['Weights', 'speed-ups vs baseline', 'paired s.e.', 'other seed vs baseline', 'agree within noise'], [
-            [w, f"{c['all_speedups']['relative_difference']:+.2%}", f"{c['all_speedups']['paired_stderr_relative']:.2%}",
+            [w, f"{c['all_speedups']['relative_difference']:+.2%}",
+             f"{c['all_speedups']['paired_stderr_relative']:.2%}",
              f"{c['baseline_other_seed']['relative_difference']:+.2%}", agree[w]] for w, c in comparison.items()])
     write_report(bench.out_dir, bench.stem or f'quality-{device_slug(device)}-{bench.preset}', result,
                  f"Quality: {bench.preset} on {dataset_name}, {bench.steps} steps of batch {bench.batch_size} on "
@@ -774,7 +778,7 @@ def profile_rows(prof, device: torch.device, active: int) -> list:
         if device.type == 'cuda' and str(event.device_type) != 'DeviceType.CUDA':
             continue  # CPU ops that launch kernels: their kernels are counted instead
         self_us = event.self_device_time_total if device.type == 'cuda' else event.self_cpu_time_total
-        if self_us > 0:
+        if self_us > 0 and not event.key.startswith('ProfilerStep'):  # the profiler's own record: host time between ops
             rows.append({'name': event.key, 'category': categorise(event.key), 'calls': event.count,
                          'self_us': self_us, 'ms_per_iter': self_us / 1e3 / active})
     return sorted(rows, key=lambda r: -r['self_us'])
@@ -798,53 +802,7 @@ def profile_steps(run: train.Run, quick: bool) -> tuple:
     return prof, active
 
 
-def profile_best_row(bench: BenchConfig) -> dict:
-    bench, device, dataset_name, dataset, flops = prepare(bench)
-    row = start_row(bench, device)
-    run = build_row_run(row_train_config(row, bench, device, dataset_name), bench, device, dataset,
-                        compile_scope=row.compile_scope)
-    prof, active = profile_steps(run, bench.quick)
-    stem = output_stem(bench, device, 'profile')
-    trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
-    os.makedirs(os.path.dirname(trace), exist_ok=True)
-    prof.export_chrome_trace(trace)
-    ops, categories = profile_rows(prof, device, active), {}
-    for op in ops:
-        categories[op['category']] = categories.get(op['category'], 0.0) + op['ms_per_iter']
-    total = sum(categories.values()) or 1.0
-    result = {**header(bench, device, flops, dataset_name), 'row': row.name, 'settings': asdict(row), 'trace': trace,
-              'active_iterations': active, 'total_ms_per_iter': total, 'categories': categories, 'top_ops': ops[:40]}
-    by_share = sorted(categories.items(), key=lambda kv: -kv[1])
-    table = markdown_table(['Category', 'ms/iter', 'share'], [[c, f'{ms:.3f}', f'{ms / total:.1%}']
-                                                             for c, ms in by_share]) + '\n\n' + markdown_table(
-        ['Op / kernel', 'Category', 'calls', 'ms/iter', 'share'], [
-            [f"`{op['name'][:87] + '...' if len(op['name']) >= 90 else op['name']}`", op['category'], op['calls'],
-             f"{op['ms_per_iter']:.3f}", f"{op['ms_per_iter'] / total:.1%}"] for op in ops[:25]], left=2)
-    png = write_report(bench.out_dir, stem, result, f"Profile: {bench.preset}, {row.name}, on {result['device']}",
-                       table, notes=f"; self time per iteration ({'kernels' if device.type == 'cuda' else 'CPU ops'}),"
-                                    f" mean of {active} profiled iterations. Trace for chrome://tracing or "
-                                    f"ui.perfetto.dev: `{trace}`.")
-    shown = by_share + [(op['name'][:50], op['ms_per_iter']) for op in ops[:15]]
-    bar_chart(png, [name for name, _ in shown], [ms for _, ms in shown], f"{bench.preset}, {row.name}, "
-              f"{result['device']}, torch {result['torch']}: categories, then the top ops (self time)",
-              'ms per iteration', ['tab:blue'] * len(by_share) + ['tab:orange'] * (len(shown) - len(by_share)))
-    print(table)
-    return result
-
-
 # ----------------------------------------------------------------------------- the physical limit
-
-# The GPUs --roofline knows by name: their data-sheet names (cli.GPU_PEAK_TFLOPS has their peaks) and
-# memory bandwidths in GB/s.
-GPU_BANDWIDTH = {'h100-sxm': ('H100 SXM', 3350), 'h200': ('H200', 4800), 'a100-40gb': ('A100 40GB', 1555),
-                 'a100-80gb': ('A100 80GB', 2039)}
-FUSED_AWAY = 'elementwise and activation'
-FUSED_ASSUMPTIONS = ('elementwise and activation ops (SiLU, adds, casts, layout copies, padding, concatenation, '
-                     'upsampling, dropout, the noise and the loss) move no bytes: each is folded into the kernel '
-                     'that produces its input or consumes its output; convolutions, matmuls, attention and GroupNorm '
-                     'read their inputs and write their outputs once, in the dtypes of the eager step; the data '
-                     'path, the optimizer and the EMA are unchanged (train.py runs them outside the compiled graph)')
-
 
 def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
     """train.py's step op by op (model.StepCounter) on fake tensors (shapes, no memory): the loader's
@@ -872,28 +830,6 @@ def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
     return counter.ops
 
 
-def roofline_bounds(ops: list, batch: int, tflops: float, gbs: float) -> dict:
-    """Per category and in total: GFLOP and MB per image and the bound in ms per step, each op
-    max(FLOPs / peak, bytes / bandwidth), summed: every op its own kernel ('eager'), the elementwise
-    work fused away ('fused': FUSED_ASSUMPTIONS), the FLOPs alone; and the step's ceilings."""
-    rows = {c: dict.fromkeys(('gflop_per_image', 'mb_per_image', 'eager_ms', 'fused_ms', 'flops_ms'), 0.0)
-            for c in dict.fromkeys(ROOFLINE_CATEGORIES.values())}
-    for op in ops:
-        row, ms = rows[op['category']], 1e3 * max(op['flops'] / tflops / 1e12, op['bytes'] / gbs / 1e9)
-        row['gflop_per_image'] += op['flops'] / batch / 1e9
-        row['mb_per_image'] += op['bytes'] / batch / 1e6
-        row['eager_ms'] += ms
-        row['fused_ms'] += 0.0 if op['category'] == FUSED_AWAY else ms
-        row['flops_ms'] += 1e3 * op['flops'] / tflops / 1e12
-    total = {key: sum(row[key] for row in rows.values()) for key in rows[FUSED_AWAY]}
-    return {'categories': rows, 'total': total,
-            'cases': {case: ceiling(total[f'{case}_ms'], batch, total) for case in ('eager', 'fused', 'flops')}}
-
-
-def ceiling(ms: float, batch: int, total: dict) -> dict:
-    return {'ms_per_step': ms, 'img_per_s': 1e3 * batch / ms, 'mfu': total['flops_ms'] / ms}
-
-
 def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
     """The peaks of the bound: --gpu's, this GPU's or the H100 SXM's (from the tables unless the flags
     give them); None where they are this CPU's, measured (--profile on a CPU)."""
@@ -907,23 +843,11 @@ def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
     name, gbs = GPU_BANDWIDTH.get(slug, (device_name(device), None))
     gbs, fp32 = bench.bandwidth_gbs or gbs, bench.precision == 'fp32'
     tflops = (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops) or peak_tflops(
-        name, ('tf32' if bench.tf32 else 'fp32') if fp32 else bench.precision)
+        name, ('tf32' if bench.tf32 else 'fp32') if fp32 else bench.precision or 'bf16')
     if not (tflops and gbs):
         raise ConfigError(f"--roofline: no peaks known for {name}: give --peak-tflops{'-fp32' if fp32 else ''} "
                           f"and --bandwidth-gbs")
     return {'name': f'{name} (computed)', 'slug': slug, 'peak_tflops': tflops, 'bandwidth_gbs': gbs}
-
-
-def cpu_peaks(quick: bool, dtype: torch.dtype) -> dict:
-    """This CPU's peaks, measured: a large matmul's TFLOP/s in the step's dtype and a large copy's
-    GB/s (read and written), each the median of repeats after warm-up calls."""
-    n, size, repeats = (512, 2 ** 22, 3) if quick else (2048, 2 ** 25, 15)
-    a, source = torch.randn(n, n, dtype=dtype), torch.randn(size)
-    target = torch.empty_like(source)
-    seconds = [statistics.median(timeit.repeat(work, number=1, repeat=repeats + 3)[3:])  # 3 warm up: clocks, pages
-               for work in (lambda: torch.mm(a, a), lambda: target.copy_(source))]
-    return {'name': f'CPU ({os.cpu_count()} cores, measured peaks)', 'slug': 'cpu',
-            'peak_tflops': 2 * n ** 3 / seconds[0] / 1e12, 'bandwidth_gbs': 2 * source.nbytes / seconds[1] / 1e9}
 
 
 def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
@@ -935,9 +859,10 @@ def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
 
 
 def run_roofline(bench: BenchConfig) -> dict:
-    """The start row's step at --big-batch and --precision, counted (count_step) and bounded
-    (roofline_bounds); with --profile, also run and profiled here, each category's time beside its
-    bound (on a CPU: its own measured peaks, the step run eagerly, a profile of aten ops)."""
+    """--roofline: the start row's step at --big-batch and --precision, counted (count_step) and
+    bounded on a GPU (roofline_bounds). --profile: the same step also run and profiled here (a
+    trace, the top ops), each category's time beside its bound on this device: a GPU's from its
+    data sheet, a CPU's from its peaks measured now (the step run eagerly, a profile of aten ops)."""
     device = pick_device(bench.device)
     bench, target = resolve(bench, device), roofline_target(bench, device)
     counted_on = device if bench.profile else torch.device('cuda')  # the GPU's step, wherever it is counted
@@ -949,35 +874,42 @@ def run_roofline(bench: BenchConfig) -> dict:
     flops = {'train': 1e9 * bounds['total']['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
     result = {**header(bench, device, flops, 'shapes'), 'target': target, 'row': row.name, 'settings': asdict(row),
               'precision': bench.precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
+    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline" if bench.roofline
+                          else output_stem(bench, device, 'profile'))
     if bench.profile:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
         images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size))
         prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
                                      bench.quick)
+        trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
+        os.makedirs(os.path.dirname(trace), exist_ok=True)
+        prof.export_chrome_trace(trace)
+        ops = profile_rows(prof, device, active)
         categories = {**bounds['categories'], 'total': bounds['total']}
         for c in categories.values():
             c['measured_ms'] = 0.0
-        for op in profile_rows(prof, device, active):
+        for op in ops:
             for name in (ROOFLINE_CATEGORIES[op['category']], 'total'):
                 categories[name]['measured_ms'] += op['ms_per_iter']
         result['cases']['measured'] = ceiling(bounds['total']['measured_ms'], cfg.batch_size, bounds['total'])
-        result['measured_against'] = 'fused' if row.compile else 'eager'
-    write_roofline(result, bench, bench.stem or f"{target['slug']}-{bench.preset}-roofline")
+        result.update(measured_against='fused' if row.compile else 'eager', trace=trace, active_iterations=active,
+                      top_ops=ops[:40])
+    write_roofline(result, bench, stem)
     return result
 
 
 def write_roofline(result: dict, bench: BenchConfig, stem: str):
-    """Bounds per category and in total, the measured times beside them; the step's ceilings; a
-    stacked bar chart of the cases."""
+    """Bounds per category and in total, the measured times beside them and the top ops; the step's
+    ceilings; a stacked bar chart of the cases."""
     target, cases, against = result['target'], result['cases'], result.get('measured_against')
 
     def measured(c):
         ms, bound = c['measured_ms'], c[f'{against}_ms']
-        return ([f'{ms:.3f}', fmt(ms / bound if bound else None, '.2f'), f'{bound / ms:.1%}'] if ms
+        return ([f'{ms:.3f}', format_or_na(ms / bound if bound else None, '.2f'), f'{bound / ms:.1%}'] if ms
                 else ['(profiled with the elementwise ops)', '', ''])
     labels = {'eager': 'every op its own kernel (eager)', 'fused': 'elementwise fused into its neighbours',
               'flops': 'FLOPs alone', 'measured': 'measured (profile: self times summed)'}
-    table = '\n\n'.join([markdown_table(
+    tables = [markdown_table(
         ['Category', 'GFLOP/image', 'MB/image', 'eager bound (ms/step)', 'fused bound', 'FLOPs alone'] + (
             ['measured (ms/step)', f'measured / {against} bound', 'share of the bound reached'] if against else []),
         [[name, f"{c['gflop_per_image']:.3f}", f"{c['mb_per_image']:.2f}", f"{c['eager_ms']:.3f}",
@@ -985,13 +917,19 @@ def write_roofline(result: dict, bench: BenchConfig, stem: str):
          for name, c in {**result['categories'], 'total': result['total']}.items()]),
         markdown_table(['Case', 'ms/step', 'img/s', 'MFU'], [
             [labels[k], f"{c['ms_per_step']:.3f}", f"{c['img_per_s']:,.0f}", f"{c['mfu']:.1%}"]
-            for k, c in cases.items()]), f'The fused case assumes: {FUSED_ASSUMPTIONS}.'])
+            for k, c in cases.items()]), f'The fused case assumes: {FUSED_ASSUMPTIONS}.']
+    if against:
+        total = result['total']['measured_ms']
+        tables.append(markdown_table(['Op / kernel (self time)', 'category', 'calls', 'ms/iter', 'share'], [
+            [f"`{op['name'][:87] + '...' if len(op['name']) >= 90 else op['name']}`", op['category'], op['calls'],
+             f"{op['ms_per_iter']:.3f}", f"{op['ms_per_iter'] / total:.1%}"] for op in result['top_ops'][:25]], left=2))
     what = (f"{result['preset']} at {result['image_size']}x{result['image_size']}, {result['precision']}, batch "
             f"{result['batch_size']}, on {target['name']}")
-    png = write_report(bench.out_dir, stem, result, f'The physical limit: {what}', table, notes=(
+    png = write_report(bench.out_dir, stem, result, f'The physical limit: {what}', '\n\n'.join(tables), notes=(
         f"; peaks {target['peak_tflops']:.4g} TFLOP/s, {target['bandwidth_gbs']:,.4g} GB/s; one step of "
         f"'{result['row']}' counted op by op ({result['ops_counted']} ops, each reading its inputs and writing its "
-        f"outputs at their dtypes)" + ('; measured: a profile of that step here' if against else '')))
+        f"outputs at their dtypes)" + (f"; measured: a profile of that step here, mean of {result['active_iterations']}"
+                                       f" steps (trace for ui.perfetto.dev: `{result['trace']}`)" if against else '')))
     fig, ax = pyplot().subplots(figsize=(11, 0.6 * len(cases) + 2))
     for i, case in enumerate(cases):
         widths = [c[f'{case}_ms'] for c in result['categories'].values()]
@@ -1002,7 +940,7 @@ def write_roofline(result: dict, bench: BenchConfig, stem: str):
     ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))
     ax.set_title(f"{what}, torch {result['torch']}", fontsize=9)
     save_figure(fig, png, dpi=110)
-    print(table)
+    print('\n\n'.join(tables))
 
 
 # ----------------------------------------------------------------------------- sweeps and data paths
@@ -1087,10 +1025,11 @@ def run_loader_only(bench: BenchConfig) -> dict:
               'step_img_per_s': step, 'loaders': results}
     table = markdown_table(['Loader', 'img/s', 'x the step\'s consumption'], [
         [r['name'], f"skipped: {r['skipped']}", ''] if 'skipped' in r else
-        [r['name'], f"{r['img_per_s']:,.0f}", fmt(r['img_per_s'] / step if step else None, '.1f')] for r in results])
+        [r['name'], f"{r['img_per_s']:,.0f}", format_or_na(r['img_per_s'] / step if step else None, '.1f')]
+        for r in results])
     png = write_report(bench.out_dir, output_stem(bench, device, 'loaders'), result,
                        f"Data paths: images/s delivered to {result['device']} ({dataset_name}, batch {batch})", table,
-                       notes=f"; the training step ('{best.name}') consumes {fmt(step, ',.0f')} img/s.")
+                       notes=f"; the training step ('{best.name}') consumes {format_or_na(step, ',.0f')} img/s.")
     measured = [r for r in results if 'img_per_s' in r]
     bar_chart(png, [r['name'] for r in measured], [r['img_per_s'] for r in measured],
               f"data paths, {bench.preset}, {result['device']}, torch {result['torch']}",
@@ -1103,7 +1042,7 @@ def run_loader_only(bench: BenchConfig) -> dict:
 # ----------------------------------------------------------------------------- main
 
 # The modes besides the ladder: the flag that asks for each, and what runs it.
-MODES = {'roofline': run_roofline, 'profile': profile_best_row, 'sweep': run_sweep, 'loader_only': run_loader_only,
+MODES = {'roofline': run_roofline, 'profile': run_roofline, 'sweep': run_sweep, 'loader_only': run_loader_only,
          'quality': run_quality, 'sampling_only': run_sampling_only}
 
 
@@ -1111,14 +1050,12 @@ def validate(bench: BenchConfig) -> BenchConfig:
     """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
     check_ranges(bench)
     device = pick_device(bench.device)
-    bench = dataclasses.replace(bench, preset=bench.preset or resolve(bench, device).preset)
+    bench = resolve(bench, device)
     modes = [name for name in MODES if getattr(bench, name)]
     if len(modes) > 1 and modes != ['roofline', 'profile']:  # --roofline --profile: the bound beside a profile
         raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
-    try:
+    with refused_as(f'--image-size {bench.image_size}'):
         model_config(bench)
-    except ValueError as error:
-        raise ConfigError(f'--image-size {bench.image_size}: {error}') from None
     if bench.rows:
         names = [row.name for row in ladder(bench, device)]
         wanted = [w.strip().lower() for w in bench.rows.split(',')]
@@ -1144,7 +1081,7 @@ def validate(bench: BenchConfig) -> BenchConfig:
 def main(argv=None):
     bench = validate(parse_config(argv, BenchConfig, __doc__))
     torch.manual_seed(bench.seed)
-    mode = next((name for name in MODES if getattr(bench, name)), None)
+    mode = next((name for name in MODES if getattr(bench, name)), None)  # --roofline --profile: run_roofline once
     return MODES[mode](bench) if mode else run_ladder(bench)
 
 

@@ -114,80 +114,81 @@ def save_checkpoint(state: dict, path: str):
         raise disk_full_error(path, error) from None
 
 
-def read_checkpoint(path: str, what: str) -> dict:
+def read_checkpoint(path: str, named_as: str) -> dict:
     """A checkpoint, loaded without running code from the file. Anything else (no file, junk, a
     dict of something else, a checkpoint of the network before it was made the paper's) is a
-    one-line ConfigError starting with `what` (such as '--resume PATH')."""
+    one-line ConfigError starting with `named_as` (such as '--resume PATH')."""
     if not os.path.isfile(path):
-        raise ConfigError(f'{what}: no such checkpoint')
+        raise ConfigError(f'{named_as}: no such checkpoint')
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
-        raise ConfigError(f'{what}: not a train.py checkpoint (not a file written by torch.save)')
+        raise ConfigError(f'{named_as}: not a train.py checkpoint (not a file written by torch.save)')
     try:
         ckpt = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as error:
-        raise ConfigError(f'{what}: not a train.py checkpoint (cannot load it: {brief(error)})') from None
+        raise ConfigError(f'{named_as}: not a train.py checkpoint (cannot load it: {brief(error)})') from None
     if not isinstance(ckpt, dict) or not set(CHECKPOINT_REQUIRED) <= set(ckpt):
-        raise ConfigError(f'{what}: not a train.py checkpoint (it lacks the model, EMA or config)')
+        raise ConfigError(f'{named_as}: not a train.py checkpoint (it lacks the model, EMA or config)')
     # Version 1 (no SiLU before the timestep projections, symmetric downsampling padding,
     # GroupNorm eps 1e-5) has the same tensors but computes another function.
     version = ckpt.get('model_version', 1)
     if version != MODEL_VERSION:
-        raise ConfigError(f'{what}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
+        raise ConfigError(f'{named_as}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
                           f'(the paper\'s network); its weights do not compute the same function, so retrain')
     return ckpt
 
 
-def checkpoint_model_config(ckpt: dict, what: str) -> UNetConfig:
+def checkpoint_model_config(ckpt: dict, named_as: str) -> UNetConfig:
     try:
         return UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()})
     except (TypeError, ValueError, AttributeError) as error:
-        raise ConfigError(f'{what}: not a train.py checkpoint (its model_config: {brief(error)})') from None
+        raise ConfigError(f'{named_as}: not a train.py checkpoint (its model_config: {brief(error)})') from None
 
 
-def model_from_checkpoint(ckpt: dict, weights: str, what: str) -> UNet:
+def model_from_checkpoint(ckpt: dict, weights: str, named_as: str) -> UNet:
     """The UNet of a checkpoint with its 'ema' or 'model' weights, in eval mode on the CPU."""
     if ckpt.get(weights) is None:
-        raise ConfigError(f'{what} holds no {weights} weights')
-    model = UNet(checkpoint_model_config(ckpt, what))
+        raise ConfigError(f'{named_as} holds no {weights} weights')
+    model = UNet(checkpoint_model_config(ckpt, named_as))
     try:
         model.load_state_dict(ckpt[weights])
     except (RuntimeError, TypeError, AttributeError) as error:
-        raise ConfigError(f'{what}: its {weights} weights do not fit its model_config ({brief(error, 300)})') from None
+        raise ConfigError(f'{named_as}: its {weights} weights do not fit its model_config '
+                          f'({brief(error, 300)})') from None
     return model.eval()
 
 
-def check_resumable(ckpt: dict, what: str, config: dict, model_config: UNetConfig, world_size: int):
+def check_resumable(ckpt: dict, named_as: str, config: dict, model_config: UNetConfig, world_size: int):
     """An exact resume needs the same architecture, the same RESUME_MUST_MATCH settings and the
     same number of ranks (one RNG state each). Checked before any data is loaded."""
     missing = [key for key in RESUME_REQUIRED if key not in ckpt]
     if missing:
-        raise ConfigError(f'{what}: not a complete train.py checkpoint (it lacks {", ".join(missing)})')
+        raise ConfigError(f'{named_as}: not a complete train.py checkpoint (it lacks {", ".join(missing)})')
     diffs = architecture_differences(ckpt['model_config'], model_config)
     if diffs:
-        raise ConfigError(f'{what}: the checkpoint is another architecture: {", ".join(diffs)}')
+        raise ConfigError(f'{named_as}: the checkpoint is another architecture: {", ".join(diffs)}')
     for weights in ('model', 'ema'):
         if ckpt[weights] is not None:
-            require_finite(ckpt[weights], f'{what}: its {weights} weights', 'resume an earlier checkpoint')
+            require_finite(ckpt[weights], f'{named_as}: its {weights} weights', 'resume an earlier checkpoint')
     try:
         saved, ranks = {**SETTINGS_BEFORE_THEY_EXISTED, **ckpt['config']}, len(ckpt['rng'])
         differing = [name for name in RESUME_MUST_MATCH if saved[name] != config[name]]
     except (KeyError, TypeError) as error:
-        raise ConfigError(f'{what}: not a complete train.py checkpoint ({brief(error)})') from None
+        raise ConfigError(f'{named_as}: not a complete train.py checkpoint ({brief(error)})') from None
     for name in differing:
-        raise ConfigError(f'{what}: the checkpoint has --{name.replace("_", "-")} {saved[name]}, this run '
+        raise ConfigError(f'{named_as}: the checkpoint has --{name.replace("_", "-")} {saved[name]}, this run '
                           f'{config[name]}; an exact resume needs the same value')
     if ranks != world_size:
-        raise ConfigError(f'{what}: written by {ranks} ranks, this run has {world_size}')
+        raise ConfigError(f'{named_as}: written by {ranks} ranks, this run has {world_size}')
 
 
-def check_same_data(ckpt: dict, what: str, data_identity: dict, data_dir: str):
+def check_same_data(ckpt: dict, named_as: str, data_identity: dict, data_dir: str):
     """An exact resume needs the same images: the checkpoint's image count and fingerprint
     (data.fingerprint) against those of the data set loaded now."""
     saved = ckpt.get('data')
     if saved is None:
         return  # a checkpoint from before fingerprints: the settings check is all there is
     if saved != data_identity:
-        raise ConfigError(f"{what}: the checkpoint was trained on another data set ({saved['count']} images, "
+        raise ConfigError(f"{named_as}: the checkpoint was trained on another data set ({saved['count']} images, "
                           f"fingerprint {saved['fingerprint'][:12]}); {data_dir} has {data_identity['count']} "
                           f"images, fingerprint {data_identity['fingerprint'][:12]}")
 
@@ -197,37 +198,38 @@ def architecture_differences(theirs, config: UNetConfig) -> list:
     (a dict) differs from `config`; attention and dropout hold no weights and may differ."""
     theirs = theirs if isinstance(theirs, dict) else {}
     return [f'{k}={theirs.get(k)!r} (now {v!r}{": channel counts differ" if k == "in_channels" else ""})'
-            for k, v in asdict(config).items() if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]
+            for k, v in asdict(config).items()
+            if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]
 
 
 def initial_weights(path: str, config: UNetConfig, prediction: str = 'eps') -> dict:
     """The state dict that train.py --init-from starts from: a checkpoint of ours (its EMA weights)
     or a diffusers UNet2DModel / pipeline folder, refused with one line unless it is the network
     of `config` trained to predict what this run predicts (an eps network's output is no v)."""
-    what = f'--init-from {path}'
+    named_as = f'--init-from {path}'
     if os.path.isdir(path):
-        model, theirs_predict = read_diffusers(path, what), diffusers_scheduler(path, what)['prediction']
+        model, theirs_predict = read_diffusers(path, named_as), diffusers_scheduler(path, named_as)['prediction']
         theirs = asdict(model.config)
     else:
-        ckpt = read_checkpoint(path, what)
-        model, theirs = model_from_checkpoint(ckpt, 'ema', what), ckpt['model_config']
+        ckpt = read_checkpoint(path, named_as)
+        model, theirs = model_from_checkpoint(ckpt, 'ema', named_as), ckpt['model_config']
         theirs_predict = ckpt['config'].get('prediction', 'eps')
-    require_finite(model.state_dict(), f'{what}: its weights', 'start from an earlier checkpoint')
+    require_finite(model.state_dict(), f'{named_as}: its weights', 'start from an earlier checkpoint')
     if theirs_predict != prediction:
-        raise ConfigError(f'{what}: its network predicts {theirs_predict}, this run --prediction {prediction}: '
+        raise ConfigError(f'{named_as}: its network predicts {theirs_predict}, this run --prediction {prediction}: '
                           f'start from a network that predicts {prediction}')
     diffs = architecture_differences(theirs, config)
     if diffs:
-        raise ConfigError(f'{what}: another architecture than --preset, --image-size and --dataset give: '
+        raise ConfigError(f'{named_as}: another architecture than --preset, --image-size and --dataset give: '
                           f'{", ".join(diffs)}')
     return model.state_dict()
 
 
-def require_finite(state: dict, what: str, instead: str):
+def require_finite(state: dict, named_as: str, instead: str):
     """Weights are read only when every one is finite: a NaN would make every sample, loss and
-    step NaN. `what` names them ('--resume PATH: its ema weights'), `instead` says what to do."""
+    step NaN. `named_as` names them ('--resume PATH: its ema weights'), `instead` says what to do."""
     if not all(t.isfinite().all() for t in state.values() if t.is_floating_point()):
-        raise ConfigError(f'{what} are not finite (NaN or inf): {instead}')
+        raise ConfigError(f'{named_as} are not finite (NaN or inf): {instead}')
 
 
 def _plain(value):

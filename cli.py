@@ -27,7 +27,9 @@ import os
 import shutil
 import signal
 import socket
+import statistics
 import sys
+import timeit
 import typing
 from dataclasses import field, fields
 
@@ -76,6 +78,16 @@ def check_ranges(config):
         value, bounds = getattr(config, f.name), f.metadata.get('bounds')
         if bounds and value is not None and not in_range(value, bounds):
             raise ConfigError(f'{flag_name(f.name)} must be {range_text(bounds)}, got {value}')
+
+
+@contextlib.contextmanager
+def refused_as(what: str):
+    """A ValueError inside (a library's refusal of a value) as a ConfigError line starting with
+    `what`, such as '--image-size 18'."""
+    try:
+        yield
+    except ValueError as error:
+        raise ConfigError(f'{what}: {error}') from None
 
 
 def flag_name(field_name: str) -> str:
@@ -260,9 +272,9 @@ def remove_dead_writers(path: str):
 
 
 @contextlib.contextmanager
-def atomic_open(path: str, mode: str = 'w', durable: bool = True):
+def atomic_open(path: str, mode: str = 'w', durable: bool = True, unique: bool = False):
     """open(path, mode) for writing, through atomic_path: the file appears whole or not at all."""
-    with atomic_path(path, durable) as tmp, open(tmp, mode) as f:
+    with atomic_path(path, durable, unique) as tmp, open(tmp, mode) as f:
         yield f
 
 
@@ -481,6 +493,9 @@ GPU_PEAK_TFLOPS = {
     'RTX 3090': {'fp32': 35.6, 'tf32': 35.6, 'bf16': 71.0, 'fp16': 71.0},
 }
 A100_PEAK_TFLOPS = GPU_PEAK_TFLOPS['A100']
+# The GPUs benchmark.py --roofline knows by name: (data-sheet name, memory bandwidth in GB/s).
+GPU_BANDWIDTH = {'h100-sxm': ('H100 SXM', 3350), 'h200': ('H200', 4800), 'a100-40gb': ('A100 40GB', 1555),
+                 'a100-80gb': ('A100 80GB', 2039)}
 
 
 def gpu_peak_key(device_name: str):
@@ -512,6 +527,18 @@ def peak_tflops(device_name: str, precision: str):
     return GPU_PEAK_TFLOPS[key][precision] if key else None
 
 
+def cpu_peaks(quick: bool, dtype: torch.dtype) -> dict:
+    """This CPU's peaks, measured: a large matmul's TFLOP/s in the step's dtype and a large copy's
+    GB/s (read and written), each the median of repeats after warm-up calls."""
+    n, size, repeats = (512, 2 ** 22, 3) if quick else (2048, 2 ** 25, 15)
+    a, source = torch.randn(n, n, dtype=dtype), torch.randn(size)
+    target = torch.empty_like(source)
+    seconds = [statistics.median(timeit.repeat(work, number=1, repeat=repeats + 3)[3:])  # 3 warm up: clocks, pages
+               for work in (lambda: torch.mm(a, a), lambda: target.copy_(source))]
+    return {'name': f'CPU ({os.cpu_count()} cores, measured peaks)', 'slug': 'cpu',
+            'peak_tflops': 2 * n ** 3 / seconds[0] / 1e12, 'bandwidth_gbs': 2 * source.nbytes / seconds[1] / 1e9}
+
+
 # ----------------------------------------------------------------------------- reports
 
 def git_commit() -> str:
@@ -533,7 +560,7 @@ def provenance(device: str) -> dict:
             'commit': git_commit(), 'command': 'python ' + ' '.join(sys.argv)}
 
 
-def fmt(value, spec: str, missing: str = 'n/a') -> str:
+def format_or_na(value, spec: str, missing: str = 'n/a') -> str:
     return missing if value is None else format(value, spec)
 
 

@@ -245,7 +245,8 @@ def _digits_split(heldout: bool) -> tuple:
         from sklearn.datasets import load_digits
         from sklearn.model_selection import train_test_split
     except ImportError:
-        raise DataError('--dataset digits reads the digits shipped with scikit-learn: pip install scikit-learn') from None
+        raise DataError('--dataset digits reads the digits shipped with scikit-learn: '
+                        'pip install scikit-learn') from None
     digits = load_digits()
     levels = np.round(digits.images * (255 / 16)).astype(np.uint8)[:, None]  # (1797, 1, 8, 8)
     parts = train_test_split(levels, digits.target, test_size=DIGITS_HELDOUT_SHARE, stratify=digits.target,

@@ -249,10 +249,10 @@ def save_diffusers(model: UNet, schedule: str, num_steps: int, folder: str, pred
         raise
 
 
-def diffusers_scheduler(path: str, what: str) -> dict:
+def diffusers_scheduler(path: str, named_as: str) -> dict:
     """{'schedule': 'linear' | 'cosine', 'num_steps': T, 'prediction': 'eps' | 'v'} of a diffusers
     folder: its pipeline's scheduler/scheduler_config.json, or the paper's (linear, T=1000, eps)
-    where there is none. Anything else is one ConfigError line naming the file (`what`: the flag)."""
+    where there is none. Anything else is one ConfigError line naming the file (`named_as`: the flag)."""
     unet_folder = diffusers_folder(path)
     candidates = [os.path.join(path, 'scheduler', 'scheduler_config.json'),
                   os.path.join(os.path.dirname(os.path.normpath(unet_folder)), 'scheduler', 'scheduler_config.json')]
@@ -270,15 +270,15 @@ def diffusers_scheduler(path: str, what: str) -> dict:
         if not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in (start, end)):
             raise ValueError(f'beta_start={start!r}, beta_end={end!r}: numbers are needed')
     except (OSError, ValueError) as error:
-        raise ConfigError(f'{what}: {config_path} is not a scheduler configuration ({brief(error)})') from None
+        raise ConfigError(f'{named_as}: {config_path} is not a scheduler configuration ({brief(error)})') from None
     kind = {'linear': 'linear', 'squaredcos_cap_v2': 'cosine'}.get(theirs.get('beta_schedule', 'linear'))
     paper_betas = math.isclose(start, 1e-4) and math.isclose(end, 0.02)
     if kind is None or theirs.get('trained_betas') is not None or (kind == 'linear' and not paper_betas):
-        raise ConfigError(f'{what}: {config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are '
+        raise ConfigError(f'{named_as}: {config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are '
                           f'supported')
     prediction = {'epsilon': 'eps', 'v_prediction': 'v'}.get(theirs.get('prediction_type', 'epsilon'))
     if prediction is None:
-        raise ConfigError(f"{what}: {config_path}: prediction_type={theirs['prediction_type']!r}; epsilon and "
+        raise ConfigError(f"{named_as}: {config_path}: prediction_type={theirs['prediction_type']!r}; epsilon and "
                           f"v_prediction are supported")
     return {'schedule': kind, 'num_steps': steps, 'prediction': prediction}
 
@@ -331,13 +331,13 @@ def load_diffusers(path: str, attention: str = 'sdpa') -> UNet:
     return model.float().eval()
 
 
-def read_diffusers(path: str, what: str) -> UNet:
-    """load_diffusers for a path given by a flag (`what`): whatever is wrong with the folder is one
+def read_diffusers(path: str, named_as: str) -> UNet:
+    """load_diffusers for a path given by a flag (`named_as`): whatever is wrong with the folder is one
     ConfigError line naming it (a load_state_dict mismatch would run to pages)."""
     try:
         return load_diffusers(path)
     except (DiffusersConfigError, OSError, KeyError, ValueError, TypeError, AttributeError, RuntimeError) as error:
-        raise ConfigError(f"{what}: cannot load it as the paper's UNet ({brief(error, 300)})") from None
+        raise ConfigError(f"{named_as}: cannot load it as the paper's UNet ({brief(error, 300)})") from None
 
 
 # ----------------------------------------------------------------------------- the peers benchmark.py times

@@ -403,3 +403,33 @@ def cuda_policy():
             lib.impl(name, torch.library.fallthrough_kernel, 'AutocastCPU')
         lib.impl('dropout', dropout, 'AutogradCPU')
         yield
+
+
+FUSED_AWAY = 'elementwise and activation'
+FUSED_ASSUMPTIONS = ('elementwise and activation ops (SiLU, adds, casts, layout copies, padding, concatenation, '
+                     'upsampling, dropout, the noise and the loss) move no bytes: each is folded into the kernel '
+                     'that produces its input or consumes its output; convolutions, matmuls, attention and GroupNorm '
+                     'read their inputs and write their outputs once, in the dtypes of the eager step; the data '
+                     'path, the optimizer and the EMA are unchanged (train.py runs them outside the compiled graph)')
+
+
+def roofline_bounds(ops: list, batch: int, tflops: float, gbs: float) -> dict:
+    """Per category and in total: GFLOP and MB per image and the bound in ms per step, each op
+    max(FLOPs / peak, bytes / bandwidth), summed: every op its own kernel ('eager'), the elementwise
+    work fused away ('fused': FUSED_ASSUMPTIONS), the FLOPs alone; and the step's ceilings."""
+    rows = {c: dict.fromkeys(('gflop_per_image', 'mb_per_image', 'eager_ms', 'fused_ms', 'flops_ms'), 0.0)
+            for c in dict.fromkeys(ROOFLINE_CATEGORIES.values())}
+    for op in ops:
+        row, ms = rows[op['category']], 1e3 * max(op['flops'] / tflops / 1e12, op['bytes'] / gbs / 1e9)
+        row['gflop_per_image'] += op['flops'] / batch / 1e9
+        row['mb_per_image'] += op['bytes'] / batch / 1e6
+        row['eager_ms'] += ms
+        row['fused_ms'] += 0.0 if op['category'] == FUSED_AWAY else ms
+        row['flops_ms'] += 1e3 * op['flops'] / tflops / 1e12
+    total = {key: sum(row[key] for row in rows.values()) for key in rows[FUSED_AWAY]}
+    return {'categories': rows, 'total': total,
+            'cases': {case: ceiling(total[f'{case}_ms'], batch, total) for case in ('eager', 'fused', 'flops')}}
+
+
+def ceiling(ms: float, batch: int, total: dict) -> dict:
+    return {'ms_per_step': ms, 'img_per_s': 1e3 * batch / ms, 'mfu': total['flops_ms'] / ms}

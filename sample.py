@@ -10,9 +10,10 @@ Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast 
 torch.compile on CUDA. Images go to disk batch by batch as they are drawn; SIGTERM or Ctrl-C
 stops after the batch under way, and the same command continues (OUT/samples.json records the
 settings). FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible network); its
-weights download on first use, or come from --inception-weights offline.
-It also holds the evaluation that train.py runs during training (held-out loss, FID and
-bits/dim of the EMA, curves.png), since it reuses the code above.
+weights download on first use, or come from --inception-weights offline. A digits checkpoint is
+judged by the digits score instead (the same statistics in a digit classifier's features: no
+download). It also holds the evaluation that train.py runs during training (held-out loss, FID or
+the digits score, bits/dim of the EMA, curves.png), since it reuses the code above.
 Exit codes: 0 done (or stopped with what was drawn written), 1 a write failed, 2 bad input, 3
 the model drew NaN or inf.
 """
@@ -101,17 +102,18 @@ def load_model(path: str, weights: str, device) -> tuple:
     """(model in eval mode, its UNetConfig, its diffusion.Schedule, what it predicts: 'eps' or 'v')
     from a train.py checkpoint or a diffusers folder (its scheduler/scheduler_config.json, or the
     paper's schedule without one)."""
-    what = f'--ckpt {path}'
+    named_as = f'--ckpt {path}'
     if os.path.isdir(path):
-        model, scheduler = read_diffusers(path, what), diffusers_scheduler(path, what)
+        model, scheduler = read_diffusers(path, named_as), diffusers_scheduler(path, named_as)
         kind, num_steps, prediction = scheduler['schedule'], scheduler['num_steps'], scheduler['prediction']
     else:
-        ckpt = read_checkpoint(path, what)
-        model, num_steps = model_from_checkpoint(ckpt, weights, what), 1000
+        ckpt = read_checkpoint(path, named_as)
+        model, num_steps = model_from_checkpoint(ckpt, weights, named_as), 1000
         kind, prediction = ckpt['config'].get('schedule'), ckpt['config'].get('prediction', 'eps')
         if kind not in ('linear', 'cosine') or prediction not in diffusion.PREDICTIONS:
-            raise ConfigError(f'{what}: not a train.py checkpoint (its schedule {kind!r}, prediction {prediction!r})')
-    require_finite(model.state_dict(), f'{what}: its {weights} weights', 'sample an earlier checkpoint')
+            raise ConfigError(f'{named_as}: not a train.py checkpoint (its schedule {kind!r}, '
+                              f'prediction {prediction!r})')
+    require_finite(model.state_dict(), f'{named_as}: its {weights} weights', 'sample an earlier checkpoint')
     return model.to(device).requires_grad_(False), model.config, diffusion.make_schedule(num_steps, kind), prediction
 
 
@@ -126,7 +128,8 @@ class NonFiniteSamples(Exception):
 
 
 def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device, progress=True,
-         rank: int = 0, world_size: int = 1, batches: list = None, prediction: str = 'eps') -> typing.Iterator[torch.Tensor]:
+         rank: int = 0, world_size: int = 1, batches: list = None,
+         prediction: str = 'eps') -> typing.Iterator[torch.Tensor]:
     """Yields uint8 (B, C, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
     the device. With world_size > 1 this rank draws batches rank, rank + world_size, ...: the
     ranks together draw exactly the images one process would. `batches`: only these indices;
@@ -201,12 +204,12 @@ def npz_path(cfg: SampleConfig, size: int) -> str:
     return os.path.join(cfg.out, f'samples_{cfg.num}x{size}.npz')
 
 
-def write_batch(images: torch.Tensor, paths: list, fmt: str):
+def write_batch(images: torch.Tensor, paths: list, file_format: str):
     """One batch of uint8 (B, C, H, W) images, each file written whole or not at all: PNGs in RGB,
     or grey ('L') for one channel."""
     from PIL import Image
     pixels = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
-    if fmt == 'npz':
+    if file_format == 'npz':
         with atomic_open(paths[0], 'wb', durable=False) as f:
             np.save(f, pixels)
         return
@@ -344,8 +347,7 @@ def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
 def inception_extractor(weights_path: str, device) -> typing.Callable:
     """torch-fidelity's InceptionV3 (pool3, 2048 features), as uint8 (B, 3, H, W) -> (B, 2048)."""
     from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
-    if weights_path and not os.path.isfile(weights_path):
-        raise ConfigError(f'--inception-weights {weights_path}: no such file')
+    check_inception_weights(weights_path)
     try:
         network = FeatureExtractorInceptionV3('inception-v3-compat', ['2048'],
                                               feature_extractor_weights_path=weights_path or None)
@@ -357,6 +359,12 @@ def inception_extractor(weights_path: str, device) -> typing.Callable:
             f'Offline, fetch {URL_INCEPTION_V3} on a machine with network and pass --inception-weights PATH') from None
     network = network.to(device).eval()
     return lambda images: network(images.to(device))[0].double().cpu()
+
+
+def check_inception_weights(path: str):
+    """--inception-weights, when given, must be a file (whether it loads, inception_extractor says)."""
+    if path and not os.path.isfile(path):
+        raise ConfigError(f'--inception-weights {path}: no such file')
 
 
 def features_of(batches: typing.Iterable[torch.Tensor], extractor: typing.Callable) -> np.ndarray:
@@ -480,7 +488,7 @@ def digits_classifier(image_size: int, cache_dir: str) -> tuple:
             return classifier.eval(), saved['accuracy']
     classifier, accuracy = train_digits_classifier(image_size)
     check_writable(cache_dir, '--data-dir')
-    with atomic_open(path, 'wb') as f:
+    with atomic_open(path, 'wb', unique=True) as f:  # processes training it at once each write their own
         torch.save({'weights': classifier.state_dict(), 'accuracy': accuracy}, f)
     return classifier, accuracy
 
@@ -574,7 +582,8 @@ def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Samp
                  prediction: str = 'eps') -> dict:
     images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False, flag='--bpd-data')
     if len(images) < cfg.bpd_num:
-        print(f'--bpd-num {cfg.bpd_num}: {cfg.bpd_data} holds {len(images)} images to evaluate; bits/dim on all of them')
+        print(f'--bpd-num {cfg.bpd_num}: {cfg.bpd_data} holds {len(images)} images to evaluate; bits/dim on all '
+              f'of them')
     images = images[:cfg.bpd_num]
     amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
     generator = torch.Generator(device).manual_seed(cfg.seed)
@@ -585,11 +594,16 @@ def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Samp
 
 # ----------------------------------------------------------------------------- evaluation during training
 
+# The held-out loss's noise comes from its own generator, the same for every run and seed, and
+# never from the training streams: a resumed run and an uninterrupted one measure alike.
+HELDOUT_NOISE_SEED = 12345
+
+
 def make_heldout(cfg, device, num_steps: int) -> tuple:
     """The held-out set of train.py's held-out loss: cfg.heldout_size fixed images, one timestep
-    each, spread evenly over 0..T-1, and noise from a fixed seed."""
+    each, spread evenly over 0..T-1, and noise from HELDOUT_NOISE_SEED."""
     images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.heldout_size).to(device)
-    generator = torch.Generator().manual_seed(12345)
+    generator = torch.Generator().manual_seed(HELDOUT_NOISE_SEED)
     t = (torch.arange(len(images)) * num_steps // len(images)).to(device)
     noise = torch.randn(images.shape, generator=generator).to(device)
     return images, t, noise
@@ -635,6 +649,12 @@ def weights_problem(run, heldout, row: dict):
         if not math.isfinite(loss):
             return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
     return None
+
+
+def evaluation_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of an evaluation's bits/dim draws: one stream per (run seed, step, rank), none of
+    them the training's (a function of the three alone, so a resumed run draws what it would have)."""
+    return int(np.random.SeedSequence([seed, step, rank, 1]).generate_state(1)[0])
 
 
 class Evaluator:
@@ -689,7 +709,7 @@ class Evaluator:
         run, cfg = self.run, self.run.cfg
         start = time.perf_counter()
         ema = self.ema_on_every_rank()
-        generator = torch.Generator(run.device).manual_seed(cfg.seed * 1_000_003 + step * 131 + run.rank)
+        generator = torch.Generator(run.device).manual_seed(evaluation_seed(cfg.seed, step, run.rank))
         mine = self.images[run.rank::run.world_size]
         bits = bits_per_image(ema, run.sched, mine, self.batch_size, run.device, generator,
                               cfg.eval_bpd_timesteps, amp='off', progress=False, prediction=cfg.prediction)
@@ -713,8 +733,8 @@ class Evaluator:
             row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
                        fid_sampler=f'{cfg.sampler}-{steps}')
         if self.judge is not None:
-            row.update(self.judge.score(self.judge.features(torch.cat(features))), digits_sampler=f'{cfg.sampler}-{steps}',
-                       digits_fd_floor=self.judge.floor['digits_fd'])
+            row.update(self.judge.score(self.judge.features(torch.cat(features))),
+                       digits_sampler=f'{cfg.sampler}-{steps}', digits_fd_floor=self.judge.floor['digits_fd'])
         row['eval_seconds'] = time.perf_counter() - start
         return row
 
@@ -762,7 +782,8 @@ def write_curves(metrics_path: str, png_path: str):
 
 
 def add_hours_axis(ax, rows: list):
-    """Training hours (evaluation, grids and checkpoints left out) as a top axis."""
+    """Training time (evaluation, grids and checkpoints left out) as a top axis: hours, or minutes
+    for a run shorter than two hours."""
     import matplotlib.ticker
     latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
     for r in rows:
@@ -776,10 +797,12 @@ def add_hours_axis(ax, rows: list):
     if len(pairs) < 2:
         return
     images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
-    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, hours),
-                                               lambda h: np.interp(h, hours, images)))
-    top.set_xlabel('training hours', fontsize=8)
-    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5))
+    unit, scale = ('minutes', 60.0) if hours[-1] < 2 else ('hours', 1.0)  # a CPU demo runs for minutes
+    times = hours * scale
+    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, times),
+                                               lambda h: np.interp(h, times, images)))
+    top.set_xlabel(f'training {unit}', fontsize=8)
+    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5, integer=unit == 'minutes'))
 
 
 # ----------------------------------------------------------------------------- main
@@ -799,8 +822,7 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
         raise ConfigError(f'--bpd-timesteps must be in [0, {sched.num_steps - 1}], got {cfg.bpd_timesteps}')
-    if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
-        raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    check_inception_weights(cfg.inception_weights)
     if cfg.export_diffusers:
         if os.path.exists(cfg.export_diffusers) and (not os.path.isdir(cfg.export_diffusers)
                                                      or os.listdir(cfg.export_diffusers)):

@@ -1,6 +1,6 @@
 """Train a DDPM UNet: python train.py --help
 
-Single process:  python train.py --dataset shapes --preset tiny --epochs 2 --device cpu
+Single process:  python train.py --dataset digits --preset tiny --image-size 16 --epochs 20 --device cpu
 Multi-GPU (DDP): torchrun --nproc_per_node 8 train.py --batch-size 1024
 Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 1 a write failed
 (a full disk), 2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a
@@ -8,8 +8,9 @@ second Ctrl-C.
 
 The file reads in the order a run happens: the config, the learning-rate and EMA schedules,
 building the run, the training step, the loop, main. What a researcher rarely edits (defaults
-and validation, resume guards, DDP helpers, the loop's logging, evaluation and checkpoint
-calls, the metrics writer) is below the line marked "bookkeeping".
+and validation, the loop's logging, evaluation and checkpoint calls) is below the line marked
+"bookkeeping"; the checkpoint format and resume rules are checkpoint.py's, the metrics writer
+and training clock metrics.py's.
 """
 import contextlib
 import copy
@@ -25,18 +26,17 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import data
 import diffusion
+import metrics
 import sample
 from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, resume_settings,
                         save_checkpoint, warn_of_changes)
-from cli import (ConfigError, JsonLines, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields,
-                 check_ranges, check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group,
-                 on_all_ranks, own_rng, parse_config, peak_tflops, pick_device, precision_of, ranks_identical, run_main,
-                 setup_distributed, synchronize)
-from model import MODEL_VERSION, PRESETS, UNet, count_flops, count_params, get_config
+from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields, check_ranges,
+                 check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group, on_all_ranks,
+                 own_rng, parse_config, pick_device, ranks_identical, refused_as, run_main, setup_distributed)
+from model import MODEL_VERSION, PRESETS, UNet, get_config
 
 NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
 COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-cudagraphs')
@@ -142,7 +142,7 @@ def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float):
 
 @dataclass
 class Run:
-    """Everything one training process holds. `loss` is what the step calls: the loss of a batch
+    """Everything one training process holds. `compute_loss` is what the step calls: the loss of a batch
     (make_loss; the model inside it maybe wrapped in DDP, the whole of it in torch.compile);
     `model` the plain module whose state is saved; `ema` exists on rank 0 only. `stop` is set
     by SIGTERM/Ctrl-C; `control_group` is a CPU process group for the ranks' control messages
@@ -153,7 +153,7 @@ class Run:
     world_size: int
     model: torch.nn.Module
     ema: torch.nn.Module | None
-    loss: typing.Callable  # x0 -> L_simple of the batch, without a host sync
+    compute_loss: typing.Callable  # x0 -> L_simple of the batch, without a host sync
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sched: diffusion.Schedule
@@ -204,7 +204,7 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
 
 
 def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0) -> dict:
-    """The checkpoint (its format: model.py, "checkpoints"). Every rank must call it: rank 0
+    """The checkpoint (its format: checkpoint.py). Every rank must call it: rank 0
     gathers the RNG states of all ranks. eval_owed: an evaluation due at this step did not run (a
     stop came first); train_seconds: the training time so far, counted on by a resumed run."""
     rng = {'cpu': torch.get_rng_state(),
@@ -261,7 +261,7 @@ def train_step(run: Run, x0: torch.Tensor, step: int) -> torch.Tensor:
     cfg = run.cfg
     for group in run.optimizer.param_groups:
         group['lr'] = lr_at(step, cfg)  # a float argument of fused Adam's kernel: no sync, no graph
-    loss = run.loss(x0)
+    loss = run.compute_loss(x0)
     run.scaler.scale(loss).backward()
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
@@ -299,8 +299,8 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
         eval_owed = not evaluate(run, evaluator, log, step)
         if step >= total_steps:  # resumed at the target only for it
-            save(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
-            return finish(run, step, run.stop.reason if eval_owed else None, log, ckpt_path, 0.0)
+            save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
+            return finish_run(run, step, run.stop.reason if eval_owed else None, log, ckpt_path, 0.0)
     try:
         for x0 in batches(run, step):
             # Step.
@@ -324,16 +324,16 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
                     stopped = must_save = run.stop.reason
             # Checkpoint, once proven good (finite weights and held-out losses), before the grid.
             if must_save:
-                save(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
+                save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
                 last_good = f'{ckpt_path} (step {step})'
             if at_end or stopped:
                 break
             # Sample grid at the end of every --sample-every'th epoch.
             if step % per_epoch == 0 and cfg.sample_every and (step // per_epoch) % cfg.sample_every == 0:
-                grid(run, log, os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'), step)
+                write_sample_grid(run, log, os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'), step)
     finally:
         log.bar.close()
-    return finish(run, step, stopped, log, ckpt_path, time.perf_counter() - start)
+    return finish_run(run, step, stopped, log, ckpt_path, time.perf_counter() - start)
 
 
 # ----------------------------------------------------------------------------- main
@@ -424,8 +424,7 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
         raise ConfigError(f'--amp fp16 needs a CUDA device ({device} has no fast fp16 training); use --amp bf16 or off')
     if cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
         raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
-    if cfg.inception_weights and not os.path.isfile(cfg.inception_weights):
-        raise ConfigError(f'--inception-weights {cfg.inception_weights}: no such file')
+    sample.check_inception_weights(cfg.inception_weights)
     if cfg.init_from and not resuming and not os.path.exists(cfg.init_from):
         raise ConfigError(f'--init-from {cfg.init_from}: no such checkpoint or folder')
     if cfg.tensorboard and importlib.util.find_spec('tensorboard') is None:
@@ -433,10 +432,8 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     ffcv_missing = data.ffcv_missing_reason() if cfg.dataset == 'beton' else None  # importing ffcv costs seconds
     if ffcv_missing:
         raise ConfigError(f'--loader ffcv / --dataset beton: {ffcv_missing}')
-    try:
+    with refused_as(f'--image-size {cfg.image_size}'):
         model_config_of(cfg)
-    except ValueError as error:
-        raise ConfigError(f'--image-size {cfg.image_size}: {error}') from None
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -480,7 +477,7 @@ def interval_loss(run: Run, loss_sum: torch.Tensor, steps: int, step: int, last_
 def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float, with_heldout: bool):
     """A metrics.jsonl row: loss, speed and (unless a stop is under way) the held-out losses of
     the model and the EMA, which a signal cuts short."""
-    row = log.train_row(step, steps, mean_loss)
+    row = log.train_row(step, steps, mean_loss, lr_at(step - 1, run.cfg))
     if heldout is not None and with_heldout:
         with log.paused():
             try:
@@ -519,7 +516,7 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
     return True
 
 
-def save(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
+def save_if_good(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
     """The checkpoint of this step, once proven good; a broken model stops the run instead, and
     the last good checkpoint stays (every rank agrees)."""
     with log.paused():
@@ -533,7 +530,7 @@ def save(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dic
             save_checkpoint(state, path)
 
 
-def grid(run: Run, log, path: str, step: int):
+def write_sample_grid(run: Run, log, path: str, step: int):
     """A grid of EMA samples (rank 0); a failure to write it is a warning and training goes on."""
     if run.ema is None:
         return
@@ -550,7 +547,7 @@ def grid(run: Run, log, path: str, step: int):
                       file=sys.stderr)
 
 
-def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) -> dict:
+def finish_run(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) -> dict:
     """The end of a run: the DDP weight check, and (unless stopped by a signal) the last grid."""
     cfg = run.cfg
     if run.world_size > 1:
@@ -567,7 +564,7 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
     per_epoch = run.loader.batches_per_epoch
     if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
         name = f'epoch_{step // per_epoch:04d}.png' if step % per_epoch == 0 else f'step_{step:07d}.png'
-        grid(run, log, os.path.join(cfg.samples_dir, name), step)
+        write_sample_grid(run, log, os.path.join(cfg.samples_dir, name), step)
     if cfg.eval_every:
         log.draw_curves(force=True)
     last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
@@ -576,8 +573,6 @@ def finish(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) ->
     log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
     return result
 
-
-# ----------------------------------------------------------------------------- metrics
 
 def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
     """(Metrics, the held-out set, the Evaluator or None). Their start-up work (held-out images,
@@ -588,8 +583,8 @@ def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
     def make():  # the progress bar last: an error before it is one clean line
         heldout = sample.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
         evaluator = sample.Evaluator(run) if cfg.eval_every else None
-        return Metrics(run, step, cfg.steps or cfg.epochs * run.loader.batches_per_epoch, train_seconds), heldout, \
-            evaluator
+        total_steps = cfg.steps or cfg.epochs * run.loader.batches_per_epoch
+        return metrics.Metrics(run, step, total_steps, train_seconds), heldout, evaluator
     with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
         log, heldout, evaluator = on_all_ranks(make, run.control_group)
     if evaluator is not None and evaluator.fid_left_out:
@@ -604,100 +599,6 @@ def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
         evaluator.extractor = evaluator.reference = None  # FID on every rank or on none
     log.restart_clock()  # the reference statistics are not training time
     return log, heldout, evaluator
-
-
-class Metrics:
-    """metrics.jsonl (and TensorBoard, with --tensorboard), curves.png and the progress bar (written
-    on rank 0 only), and the clock of training time.
-
-    Speed is of the training steps alone: the clock is paused while a grid, a checkpoint, the
-    held-out loss or an evaluation runs, and the first step of a process (which compiles) is
-    timed on its own as `first_step_s`. `train_seconds` sums the timed training time."""
-
-    def __init__(self, run: Run, step: int, total_steps: int, train_seconds: float = 0.0):
-        cfg, self.run = run.cfg, run
-        self.active = run.rank == 0
-        self.path = os.path.join(cfg.out_dir, 'metrics.jsonl')
-        self.flops = count_flops(run.model.config, cfg.image_size)
-        name = torch.cuda.get_device_name(run.device) if run.device.type == 'cuda' else ''
-        self.peak = peak_tflops(name, precision_of(cfg.amp, run.device)) if name else None
-        self.bar = tqdm(total=total_steps, initial=step, disable=not self.active, dynamic_ncols=True, desc='train')
-        self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
-        self.interval_start, self.paused_s, self.train_seconds = time.perf_counter(), 0.0, train_seconds
-        self.last, self.grids, self.curves_drawn = {}, [], 0.0
-        self.out = JsonLines(self.path, cfg.tensorboard and os.path.join(cfg.out_dir, 'tb')) if self.active else None
-        if self.active:
-            self.out.drop_after(step)  # a killed run's rows past its last checkpoint
-            self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
-                        'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
-                        'device': str(run.device), 'data': run.data_identity})
-            self.print(f'{cfg.preset}: {count_params(run.model) / 1e6:.2f}M parameters, '
-                       f'{self.flops["train"] / 1e9:.2f} GFLOP/image per training step; {run.data_identity["count"]} '
-                       f'images, loader {run.loader_kind}, {run.world_size} rank(s), {total_steps} steps of batch '
-                       f'{cfg.batch_size} on {run.device} (amp {cfg.amp}, compile {cfg.compile})')
-
-    def print(self, message: str, file=None):
-        if self.active:
-            tqdm.write(message, file=file)
-
-    def write(self, row: dict):
-        if self.active:
-            self.out.write(row)
-        if row.get('kind') == 'train':
-            self.last = row
-
-    def draw_curves(self, force: bool = False):
-        """Redraws OUT/curves.png from metrics.jsonl (at every evaluation and at the end; after a
-        log row at most once every 30 s, since matplotlib costs about a second)."""
-        if not self.active or (not force and time.perf_counter() - self.curves_drawn < 30):
-            return
-        with self.paused():
-            sample.write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
-        self.curves_drawn = time.perf_counter()
-
-    def after_step(self):
-        """Moves the bar; after the first step of the process, waits for it (one host sync) and
-        starts the clock."""
-        self.bar.update(1)
-        if self.first_step_s is None:
-            synchronize(self.run.device)
-            self.first_step_s = time.perf_counter() - self.interval_start
-            self.restart_clock()
-
-    def restart_clock(self):
-        self.interval_start, self.paused_s = time.perf_counter(), 0.0
-
-    @contextlib.contextmanager
-    def paused(self):
-        """Time spent inside is not training time."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.paused_s += time.perf_counter() - start
-
-    def training_seconds(self) -> float:
-        """Training time so far: the logged intervals and the current one, pauses left out."""
-        return self.train_seconds + time.perf_counter() - self.interval_start - self.paused_s
-
-    def train_row(self, step: int, steps: int, mean_loss: float) -> dict:
-        """The row of the `steps` steps since the last one, and a new interval. img/s is the
-        whole job's; MFU is per GPU (one rank's share of the throughput over one GPU's peak)."""
-        cfg = self.run.cfg
-        seconds = time.perf_counter() - self.interval_start - self.paused_s
-        timed, self.untimed_steps = steps - self.untimed_steps, 0
-        self.train_seconds += seconds
-        img_per_s = timed * cfg.batch_size / seconds if timed > 0 and seconds > 0 else None
-        per_gpu = img_per_s / self.run.world_size if img_per_s else None
-        row = {'kind': 'train', 'step': step, 'images_seen': step * cfg.batch_size,
-               'epoch': step / self.run.loader.batches_per_epoch, 'loss': mean_loss,
-               'lr': lr_at(step - 1, cfg), 'img_per_s': img_per_s, 'img_per_s_per_gpu': per_gpu,
-               'mfu': per_gpu * self.flops['train'] / (self.peak * 1e12) if self.peak and per_gpu else None,
-               'train_hours': self.train_seconds / 3600}
-        if not self.last:
-            row['first_step_s'] = self.first_step_s  # compilation and the first step, kept out of img/s
-        self.restart_clock()
-        return row
 
 
 if __name__ == '__main__':

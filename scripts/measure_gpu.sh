@@ -13,7 +13,8 @@
 #   headline  the baseline, our fastest default-compile row and the diffusers peers: its UNet2DModel in
 #             our loop, and its training recipe (train_unconditional.py's loop, data from PNG files)
 #   ladder    every default-compile row of the ladder, in one process
-#   profile   torch.profiler of the fastest default-compile row, and sampling speed
+#   profile   torch.profiler of the fastest default-compile row's step, each category beside its bound on
+#             this GPU (counted op by op: benchmark.py --roofline), and sampling speed
 #   gputests  tests/test_gpu.py and a short train.py run with --compile (img/s as train.py logs it; in
 #             the --quick form the one part where Inductor compiles our step, for the CPU)
 #   autotune  the compile max-autotune row without CUDA graphs (minutes of autotuning)
@@ -30,14 +31,18 @@
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #       diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0
 set -euo pipefail
-usage="usage: bash scripts/measure_gpu.sh headline|ladder|profile|gputests|autotune|graphs|quality|loaders|sweep|small|all OUT_DIR [--quick]"
-part=${1:?$usage}
-out=${2:?$usage}
+PARTS=(headline profile ladder gputests autotune graphs quality loaders sweep small)
+usage="usage: bash scripts/measure_gpu.sh $(IFS='|'; echo "${PARTS[*]}")|all OUT_DIR [--quick]"
+# Every argument is checked before anything is written: a refused call leaves no folder and no file.
+[ $# -ge 2 ] && [ $# -le 3 ] && [[ " ${PARTS[*]} all " == *" $1 "* ]] && [[ "${3:-}" =~ ^(--quick)?$ ]] || {
+  echo "$usage" >&2; exit 2; }
+part=$1
+out=$2
 quick=${3:-}
 PINNED=(diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0)
 DEFAULT_ROWS="Baseline,Scale up,torch.compile,SDPA,Mixed precision,Channels-last,Fused Adam,FFCV,resident data"
-mkdir -p "$out"
 export PYTHONUNBUFFERED=1
+
 scratch=$(mktemp -d)  # data, .beton files and training runs: never in the output folder
 trap 'rm -rf "$scratch"' EXIT
 
@@ -54,7 +59,6 @@ if [ "$quick" = "--quick" ]; then
   sweep_values=4,8,16
   train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
 else
-  [ -z "$quick" ] || { echo "$usage" >&2; exit 2; }
   for pin in "${PINNED[@]}"; do
     name=${pin%%==*}; version=${pin##*==}
     ls .whl/"${name//-/_}"-"$version"-*.whl >/dev/null 2>&1 || {
@@ -77,6 +81,7 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
   sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
 fi
+mkdir -p "$out"
 
 environment() {  # what ran it
   { date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null || true
@@ -139,7 +144,7 @@ run_part() {
 }
 
 if [ "$part" = all ]; then
-  for p in headline ladder profile gputests autotune graphs quality loaders sweep small; do run_part "$p"; done
+  for p in "${PARTS[@]}"; do run_part "$p"; done
 else
   run_part "$part"
 fi

@@ -5,7 +5,7 @@ the score against images seen (mean and spread over seeds), the images each sett
 reach the score the paper's recipe ends at (as a ratio to the recipe's, with its spread), and
 whether the final scores differ by more than the seeds do.
 
-    python scripts/prediction_study.py --out-dir results            # 4 settings x 3 seeds, resumable
+    OMP_NUM_THREADS=1 python scripts/prediction_study.py --out-dir results --workers 2   # 4 settings x 3 seeds
     python scripts/prediction_study.py --images 12000 --seeds 1 --eval-every 4000 --out-dir /tmp/s  # a smoke run
 
 Runs go to RUNS_DIR/<setting>-seed<k>/; a finished run is not trained again, so a stopped study
@@ -20,7 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import fmt, markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+from cli import format_or_na, markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
 
 SETTINGS = {  # name -> train.py flags
     'paper (eps, uniform)': [],
@@ -41,7 +41,7 @@ def run_once(name: str, seed: int, args) -> list:
     steps = args.images // args.batch_size
     flags = ['--dataset', 'digits', '--preset', 'tiny', '--image-size', str(args.image_size), '--device', 'cpu',
              '--batch-size', str(args.batch_size), '--steps', str(steps), '--seed', str(seed),
-             '--eval-every', str(args.eval_every), '--eval-samples', '450', '--eval-bpd-images', '50',
+             '--eval-every', str(args.eval_every), '--eval-samples', str(args.eval_samples), '--eval-bpd-images', '50',
              '--eval-bpd-timesteps', '4', '--sampler', 'dpm++', '--sample-steps', '20', '--sample-every', '0',
              '--log-every', '100', '--ckpt-every', '1000', '--out-dir', folder, '--data-dir', args.data_dir,
              '--resume', 'auto', *SETTINGS[name]]
@@ -99,16 +99,17 @@ def report(curves: dict, summary: dict, args):
     table = markdown_table(
         ['Setting', 'final score, mean', 'sd over seeds', 'images to the target, mean', 'sd',
          'x the recipe\'s images (mean of per-seed ratios)', 'sd', 'reached', 'final differs beyond seed noise'],
-        [[name, f"{s['final_mean']:.2f}", fmt(s['final_sd'], '.2f'), fmt(s['images_mean'], ',.0f'),
-          fmt(s['images_sd'], ',.0f'), fmt(s['ratio_to_paper_mean'], '.2f'), fmt(s['ratio_sd'], '.2f'), s['reached'],
-          s['exceeds_seed_noise']] for name, s in summary['settings'].items()])
+        [[name, f"{s['final_mean']:.2f}"] + [format_or_na(s[key], spec) for key, spec in (
+            ('final_sd', '.2f'), ('images_mean', ',.0f'), ('images_sd', ',.0f'), ('ratio_to_paper_mean', '.2f'),
+            ('ratio_sd', '.2f'))] + [s['reached'], s['exceeds_seed_noise']]
+         for name, s in summary['settings'].items()])
     png = write_report(args.out_dir, args.stem, {**summary, 'curves': curves},
                        'Images to quality on digits: v-prediction and Min-SNR against the paper\'s recipe', table,
                        notes=f"; tiny preset, {args.image_size}x{args.image_size}, batch {args.batch_size}, "
                              f"{args.images:,} training images per run, seeds 0 to {args.seeds - 1}; the digits score "
-                             f"(FD in digit-classifier features, 450 EMA samples of DPM-Solver++ at 20 calls; floor "
-                             f"about 7) every {args.eval_every:,} images. Target: the recipe's mean final score, "
-                             f"{summary['target']:.2f}")
+                             f"(FD in digit-classifier features, {args.eval_samples} EMA samples of DPM-Solver++ at 20 "
+                             f"calls; floor about 7 at 450) every {args.eval_every:,} images. Target: the "
+                             f"recipe's mean final score, {summary['target']:.2f}")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for (name, runs), colour in zip(curves.items(), ('black', 'tab:blue', 'tab:orange', 'tab:green')):
@@ -134,16 +135,27 @@ def main(argv=None) -> int:
     parser.add_argument('--images', type=int, default=120_000, help='training images per run (default 120000)')
     parser.add_argument('--eval-every', type=int, default=15_000, help='images between scores (default 15000)')
     parser.add_argument('--seeds', type=int, default=3, help='seeds per setting (default 3)')
+    parser.add_argument('--eval-samples', type=int, default=450, help='samples per score (default 450, the size of '
+                                                                         'the held-out digits that set its floor)')
     parser.add_argument('--batch-size', type=int, default=32, help='batch size (default 32)')
     parser.add_argument('--image-size', type=int, default=16, help='digit resolution (default 16)')
     parser.add_argument('--runs-dir', default='runs/prediction-study', help='where the runs go')
     parser.add_argument('--data-dir', default='./data', help='where the digit classifier is cached')
     parser.add_argument('--out-dir', default='results', help='where the report goes')
     parser.add_argument('--stem', default='cpu-digits-prediction-study', help='report file name stem')
+    parser.add_argument('--workers', type=int, default=1, help='runs trained at once, each in its own process (set '
+                                                               'OMP_NUM_THREADS=1 then; default 1)')
     args = parser.parse_args(argv)
-    if args.images < args.eval_every or args.seeds < 1 or args.images < args.batch_size:
-        parser.error('--images must be at least --eval-every and --batch-size, and --seeds at least 1')
-    curves = {name: [run_once(name, seed, args) for seed in range(args.seeds)] for name in SETTINGS}
+    if args.images < args.eval_every or args.seeds < 1 or args.images < args.batch_size or args.workers < 1:
+        parser.error('--images must be at least --eval-every and --batch-size, --seeds and --workers at least 1')
+    jobs = [(name, seed, args) for name in SETTINGS for seed in range(args.seeds)]
+    if args.workers > 1:  # the runs are independent: what decides each is its own flags and seed
+        import multiprocessing
+        with multiprocessing.get_context('spawn').Pool(args.workers) as pool:
+            done = pool.starmap(run_once, jobs)
+    else:
+        done = [run_once(*job) for job in jobs]
+    curves = {name: [curve for (job_name, _, _), curve in zip(jobs, done) if job_name == name] for name in SETTINGS}
     report(curves, {**provenance(f'CPU ({os.cpu_count()} cores)'), **summarise(curves)}, args)
     return 0
 

@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import fmt, markdown_table, pick_device, provenance, pyplot, save_figure, write_report  # noqa: E402
+from cli import format_or_na, markdown_table, pick_device, provenance, pyplot, save_figure, write_report  # noqa: E402
 
 CALLS = (5, 10, 20, 50, 100, 1000)
 SAMPLERS = ('ddim', 'ddim-clip-x0', 'ddpm', 'dpm++-time', 'dpm++-logsnr')
@@ -64,7 +64,8 @@ def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, projections: int = 128,
     """The sliced Wasserstein-1 distance of two equal-sized sets of points: the W1 distance of
     their 1-D projections (sorted and matched), averaged over random directions."""
     a, b = a.flatten(1).double(), b.flatten(1).double()
-    directions = torch.randn(a.shape[1], projections, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(seed)
+    directions = torch.randn(a.shape[1], projections, generator=generator, dtype=torch.float64)
     directions /= directions.norm(dim=0)
     return ((a @ directions).sort(0).values - (b @ directions).sort(0).values).abs().mean().item()
 
@@ -142,9 +143,9 @@ def main(argv=None) -> int:
     table = markdown_table(
         ['Data', 'Sampler', 'Model calls', 'mean error', 'covariance error', 'sliced W1', 'RMS to the ODE solution',
          'in grey levels'],
-        [[r['data'], r['sampler'], r['calls'], fmt(r.get('mean_error'), '.4f'), fmt(r.get('cov_error'), '.4f'),
-          fmt(r.get('sliced_w1'), '.4f'), fmt(r.get('to_ode'), '.2e'), fmt(r.get('to_ode_levels'), '.2f')]
-         for r in rows], left=2)
+        [[r['data'], r['sampler'], r['calls']] + [format_or_na(r.get(key), spec) for key, spec in (
+            ('mean_error', '.4f'), ('cov_error', '.4f'), ('sliced_w1', '.4f'), ('to_ode', '.2e'),
+            ('to_ode_levels', '.2f'))] for r in rows], left=2)
     png = write_report(args.out_dir, args.stem, result, 'Sampler accuracy against exact answers', table,
                        notes=f'; {n} samples of a 2-D Gaussian mixture with its exact denoiser (sliced W1 between two '
                              f'sets of true samples: {floor:.4f}, the noise floor)')

@@ -1,5 +1,6 @@
 """benchmark.py and scripts/measure_gpu.sh on the CPU. One quick run of every part of the GPU
 campaign (tiny preset) feeds most tests: its wiring is checked before a GPU is lent."""
+import dataclasses
 import gzip
 import json
 import math
@@ -21,7 +22,7 @@ from helpers import NO_DIFFUSERS
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
-PARTS = ['headline', 'ladder', 'profile', 'gputests', 'autotune', 'graphs', 'quality', 'loaders', 'sweep', 'small']
+PARTS = ['headline', 'profile', 'ladder', 'gputests', 'autotune', 'graphs', 'quality', 'loaders', 'sweep', 'small']
 
 
 @pytest.fixture(scope='module')
@@ -234,8 +235,11 @@ print(benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(data.m
 def test_profile_and_sampling(campaign):
     profile = load(campaign, 'profile')
     assert profile['row'] == benchmark.start_row(benchmark.BenchConfig(), torch.device('cpu')).name
-    assert {'conv / matmul', 'norm', 'attention', 'optimizer'} <= set(profile['categories'])
-    assert profile['total_ms_per_iter'] == pytest.approx(sum(profile['categories'].values()))
+    categories = profile['categories']
+    assert all(categories[name]['measured_ms'] > 0 for name in ('convolution and matmul', 'normalisation', 'attention',
+                                                                 'optimizer and EMA'))
+    assert profile['total']['measured_ms'] == pytest.approx(sum(c['measured_ms'] for c in categories.values()))
+    assert profile['target']['slug'] == 'cpu' and profile['top_ops'][0]['ms_per_iter'] > 0
     trace = json.loads(gzip.decompress((campaign / 'profile-trace.json.gz').read_bytes()))
     assert trace['traceEvents']
     sampling = load(campaign, 'sampling')
@@ -341,10 +345,10 @@ def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
             if row is network_row:
                 assert function is run.model and options == {'mode': None, **expected}
             else:
-                assert function is run.loss and options == {'fullgraph': True, 'mode': None, **expected}
+                assert function is run.compute_loss and options == {'fullgraph': True, 'mode': None, **expected}
             x0 = next(train.batches(run, 0))
             torch.manual_seed(0)
-            loss = run.loss(x0)
+            loss = run.compute_loss(x0)
             torch.manual_seed(0)
             assert torch.equal(loss, diffusion.training_loss(run.model, run.sched, x0))
 
@@ -368,7 +372,7 @@ def test_every_mode_builds_a_row_with_its_compile_scope(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match='stop here'):
         benchmark.train_for_quality(row, bench, cpu, dataset, 'shapes', 0)
     with pytest.raises(RuntimeError, match='stop here'):
-        benchmark.profile_best_row(bench)
+        benchmark.run_roofline(dataclasses.replace(bench, profile=True))
     assert scopes == ['model'] * 3
 
 
@@ -451,6 +455,16 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
     assert not (tmp_path / 'out').exists() or not list((tmp_path / 'out').iterdir())
 
 
+@pytest.mark.parametrize('args', [[], ['headline'], ['bogus', 'OUT'], ['headline', 'OUT', '--fast'],
+                                  ['headline', 'OUT', '--quick', 'extra']])
+def test_measure_script_refuses_bad_calls_in_one_line_and_writes_nothing(tmp_path, root, args):
+    args = [str(tmp_path / 'out') if a == 'OUT' else a for a in args]
+    result = subprocess.run(['bash', 'scripts/measure_gpu.sh', *args], cwd=root, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 2 and result.stderr.startswith('usage: bash scripts/measure_gpu.sh headline|profile|')
+    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / 'out').exists()
+
+
 def test_measure_script_refuses_missing_wheels(tmp_path, root):
     if os.path.isdir(os.path.join(root, '.whl')):
         pytest.skip('.whl/ is present here')
@@ -458,6 +472,20 @@ def test_measure_script_refuses_missing_wheels(tmp_path, root):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and 'diffusers==0.42.1' in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_a_run_without_flags_plans_what_the_device_can_time(tmp_path, capsys):
+    cpu, gpu = (benchmark.resolve(benchmark.BenchConfig(), torch.device(kind)) for kind in ('cpu', 'cuda'))
+    assert (cpu.preset, cpu.warmup, cpu.iters, cpu.sample_batch, cpu.precision) == ('tiny', 3, 10, 64, 'bf16')
+    assert benchmark.resolve(benchmark.BenchConfig(profile=True), torch.device('cpu')).precision == 'fp32'
+    assert (gpu.preset, gpu.warmup, gpu.iters, gpu.sample_batch, gpu.precision) == ('ddpm-cifar10', 10, 50, 1000,
+                                                                                     'bf16')
+    given = benchmark.resolve(benchmark.BenchConfig(preset='small', iters=7, warmup=0), torch.device('cpu'))
+    assert (given.preset, given.iters, given.warmup) == ('small', 7, 0)  # a flag given wins
+    benchmark.main(['--device', 'cpu', '--quick', '--rows', 'Baseline', '--no-peer', '--no-sampling',
+                    '--data-dir', str(tmp_path / 'data'), '--out-dir', str(tmp_path)])
+    out = capsys.readouterr().out
+    assert out.startswith('ladder: 1 rows of tiny at 16x16 on CPU') and 'iterations' in out
 
 
 def test_cpu_runs_stay_out_of_the_committed_results(monkeypatch, tmp_path):

@@ -54,7 +54,8 @@ def test_export_loads_back_exactly_and_the_pipeline_samples_as_we_do(tmp_path, d
     assert sample.cli(['--ckpt', ckpt, '--export-diffusers', str(tmp_path / 'raw'), '--weights', 'model',
                        '--device', 'cpu']) == 0
     raw = torch.load(ckpt, weights_only=True)['model']
-    assert all(torch.equal(t, diffusers_io.load_diffusers(str(tmp_path / 'raw')).state_dict()[k]) for k, t in raw.items())
+    back = diffusers_io.load_diffusers(str(tmp_path / 'raw')).state_dict()
+    assert all(torch.equal(t, back[k]) for k, t in raw.items())
 
 
 def test_a_cosine_checkpoint_keeps_its_schedule(tmp_path):

@@ -90,3 +90,23 @@ def test_digits_are_written_grey_in_three_channels(tmp_path, capsys):
     assert data.main(['--write-beton', path, '--dataset', 'digits', '--image-size', '8', '--num-workers', '1']) == 0
     stored = data.BetonDataset(path).images(range(1347))
     assert torch.equal(stored, data.load_digits_split(8, heldout=False)[0].expand(-1, 3, -1, -1))
+
+
+def test_two_benchmarks_on_one_data_dir_share_the_beton(tmp_path, root):
+    # Both write their own temporary file and rename it into place: neither dies, neither waits
+    # forever, and one whole .beton of the images is left, with no temporary files.
+    import subprocess
+    import sys
+    script = f"""
+import sys
+sys.path.insert(0, {root!r})
+import benchmark, data
+bench = benchmark.BenchConfig(data_dir={str(tmp_path)!r}, image_size=16, num_workers=1)
+print(len(benchmark.beton_for(bench, 'shapes', data.ImageTensorDataset(data.make_shapes(64, 16)))))
+"""
+    writers = [subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [w.communicate(timeout=300)[0].strip().splitlines()[-1] for w in writers]
+    assert [w.returncode for w in writers] == [0, 0] and outputs == ['64', '64']
+    assert [p.name for p in tmp_path.iterdir()] == ['bench-shapes-64x16.beton']
+    assert torch.equal(data.BetonDataset(str(tmp_path / 'bench-shapes-64x16.beton')).images(range(64)),
+                       data.make_shapes(64, 16))

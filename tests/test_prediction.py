@@ -189,7 +189,6 @@ def _train(tmp_path, *extra):
 
 def test_the_run_trains_what_its_flags_say(monkeypatch, tmp_path):
     import diffusion
-    import train
     seen = []
     real = diffusion.training_loss
 

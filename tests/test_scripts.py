@@ -38,17 +38,15 @@ def test_the_digits_score_check_orders_its_sets(tmp_path):
 
 
 def test_the_prediction_study_reports_images_to_the_recipes_score(tmp_path):
-    assert prediction_study.main(['--images', '64', '--eval-every', '32', '--seeds', '2', '--batch-size', '16',
-                                  '--runs-dir', str(tmp_path / 'runs'), '--data-dir', str(tmp_path / 'data'),
-                                  '--out-dir', str(tmp_path), '--stem', 'study']) == 0
+    small = ['--images', '64', '--eval-every', '32', '--seeds', '2', '--batch-size', '16', '--eval-samples', '64',
+             '--runs-dir', str(tmp_path / 'runs'), '--data-dir', str(tmp_path / 'data'), '--out-dir', str(tmp_path)]
+    assert prediction_study.main(small + ['--stem', 'study']) == 0
     result = json.loads((tmp_path / 'study.json').read_text())
     assert set(result['settings']) == set(prediction_study.SETTINGS)
     paper = result['settings']['paper (eps, uniform)']
     assert paper['final_mean'] == result['target'] and len(paper['finals']) == 2
     for curves in result['curves'].values():
         assert [[p['images'] for p in run] for run in curves] == [[32, 64]] * 2
-    # A finished study is not trained again: the runs' folders are reused.
-    assert prediction_study.main(['--images', '64', '--eval-every', '32', '--seeds', '2', '--batch-size', '16',
-                                  '--runs-dir', str(tmp_path / 'runs'), '--data-dir', str(tmp_path / 'data'),
-                                  '--out-dir', str(tmp_path), '--stem', 'again']) == 0
+    # A finished study is not trained again: the runs' folders are reused (here by two worker processes).
+    assert prediction_study.main(small + ['--stem', 'again', '--workers', '2']) == 0
     assert json.loads((tmp_path / 'again.json').read_text())['curves'] == result['curves']

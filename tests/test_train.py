@@ -17,7 +17,6 @@ import checkpoint
 import cli
 import data
 import diffusion
-import model
 import sample
 import train
 from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
@@ -176,8 +175,9 @@ def test_the_compiled_loss_is_one_graph_without_recompiles_and_trains_as_eager()
         run = tiny_run(warmup=10, dropout=0.1, ema_decay=0.999)
         if compiled:
             torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()  # reset() leaves them: earlier tests' graphs would count
             cfg = dataclasses.replace(run.cfg, compile=True)
-            run.loss = train.make_loss(cfg, run.model, run.sched, run.device, backend=counting_backend)
+            run.compute_loss = train.make_loss(cfg, run.model, run.sched, run.device, backend=counting_backend)
         stream = train.batches(run, 0)
         torch.manual_seed(1)
         losses = [train.train_step(run, next(stream), step) for step in range(30)]
@@ -198,7 +198,7 @@ def test_the_loss_runs_the_model_in_the_runs_precision_and_layout(amp, channels_
     run.model.register_forward_pre_hook(lambda _, args: seen.append((
         torch.is_autocast_enabled('cpu') and torch.get_autocast_dtype('cpu'),
         args[0].is_contiguous(memory_format=torch.channels_last), args[0].is_contiguous())))
-    run.loss(next(train.batches(run, 0)))
+    run.compute_loss(next(train.batches(run, 0)))
     assert seen == [(amp == 'bf16' and torch.bfloat16, channels_last, not channels_last)]
 
 
@@ -207,10 +207,10 @@ def test_build_run_compiles_the_whole_loss_in_one_graph(monkeypatch):
     monkeypatch.setattr(torch, 'compile', lambda function, **options: compiled.append((function, options)) or function)
     run = tiny_run(compile=True, compile_mode='max-autotune')
     ((function, options),) = compiled
-    assert function is run.loss and options == {'fullgraph': True, 'mode': 'max-autotune'}
+    assert function is run.compute_loss and options == {'fullgraph': True, 'mode': 'max-autotune'}
     x0 = next(train.batches(run, 0))
     torch.manual_seed(3)
-    loss = run.loss(x0)
+    loss = run.compute_loss(x0)
     torch.manual_seed(3)
     assert torch.equal(loss, diffusion.training_loss(run.model, run.sched, x0))
 
@@ -699,10 +699,11 @@ def test_mfu_is_per_gpu(monkeypatch):
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
                                                    batch_size=8, device='cpu', out_dir='unused'), cpu)
     run = train.build_run(cfg, cpu, progress=False)
-    log = train.Metrics(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
+    from metrics import Metrics
+    log = Metrics(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
     log.peak = 1.0  # TFLOP/s
     log.untimed_steps, log.interval_start = 0, time.perf_counter() - 2.0
-    row = log.train_row(10, 10, 0.5)
+    row = log.train_row(10, 10, 0.5, 2e-3)
     assert row['img_per_s'] == pytest.approx(10 * 8 / 2.0, rel=0.01)  # the whole job's throughput
     assert row['img_per_s_per_gpu'] == pytest.approx(row['img_per_s'] / 2)
     assert row['mfu'] == pytest.approx(row['img_per_s'] / 2 * log.flops['train'] / 1e12)
@@ -711,10 +712,10 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 def test_modules_import_only_the_layers_below_them():
     # cli at the bottom; then the model, the maths and the data; diffusers' formats; our checkpoints;
-    # sampling; training; the benchmark.
+    # sampling and evaluation; training's bookkeeping; training; the benchmark.
     import ast
     layer = {'cli': 0, 'model': 1, 'diffusion': 1, 'data': 1, 'diffusers_io': 2, 'checkpoint': 3, 'sample': 4,
-             'train': 5, 'benchmark': 6}
+             'metrics': 5, 'train': 6, 'benchmark': 7}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
@@ -994,7 +995,7 @@ def test_evaluation_measures_the_ema_on_held_out_images():
     assert (row['step'], row['images_seen'], row['train_hours'], row['bpd_images']) == (5, 40, 0.25, 6)
 
     def bits(net):
-        generator = torch.Generator().manual_seed(2 * 1_000_003 + 5 * 131)  # the evaluation's own stream at step 5
+        generator = torch.Generator().manual_seed(sample.evaluation_seed(2, 5, 0))  # the evaluation's stream at step 5
         images = data.load_heldout('shapes', '', 16, 6)
         return sample.bits_per_image(net, run_.sched, images, 8, torch.device('cpu'), generator, 3)['total']
     ema = bits(run_.ema)
