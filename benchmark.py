@@ -52,7 +52,7 @@ from model import (FUSED_ASSUMPTIONS, PRESETS, ROOFLINE_CATEGORIES, StepCounter,
 class BenchConfig:
     preset: str | None = flag(None, 'UNet preset (default: ddpm-cifar10 on a GPU, tiny on a CPU; small is the ~9M '
                                     'UNet of the reference table)', choices=tuple(PRESETS))
-    image_size: int = flag(32, 'image resolution')
+    image_size: int = flag(32, 'image resolution', at_least=1)
     dataset: str = flag('auto', 'auto (cifar10 if on disk, else shapes), cifar10, shapes or digits (one channel; '
                                 '--quality then also compares the digits score)',
                         choices=('auto', 'cifar10', 'shapes', 'digits'))
@@ -232,7 +232,7 @@ def time_iterations(iterate: typing.Callable, device: torch.device, bench: Bench
     """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up,
     with a progress bar (on stderr; it never waits for the device). iterate(step) runs one training
     iteration, data included, and leaves its loss on the device."""
-    bar = tqdm(total=1 + bench.warmup + bench.iters, desc=f'  {name[:40]} (first iteration compiles)', leave=False)
+    bar = tqdm(total=1 + bench.warmup + bench.iters, desc=f'  {name[:60]}', leave=False)
     start = time.perf_counter()
     iterate(0)
     synchronize(device)
@@ -380,7 +380,7 @@ def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset
 
     def measure():
         loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
-                               bench.num_workers)
+                               bench.num_workers, data.channels_of(dataset_name))
         torch.manual_seed(bench.seed)
         parts, stream = recipe_parts(model_config(bench), device, len(loader), row_cfg.amp), recipe_batches(loader)
         return throughput(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench, name),
@@ -587,21 +587,23 @@ def selected_rows(bench: BenchConfig, device: torch.device) -> list:
 def run_ladder(bench: BenchConfig) -> dict:
     """The ladder, one row at a time; the report is rewritten after every row, the peer and
     each sampler, and a row that fails is reported as failed while the others go on."""
+    device = pick_device(bench.device)
+    plan = resolve(bench, device)
+    rows = selected_rows(plan, device)
+    print(f"ladder: {len(rows)} rows of {plan.preset} at {plan.image_size}x{plan.image_size} on {device_name(device)}"
+          f", batch {plan.batch_size} then {plan.big_batch}, each 1 + {plan.warmup} + {plan.iters} iterations"
+          + ("; then the two diffusers peers and our fastest row again after each" if plan.peer else '')
+          + (f"; then sampling speed (5 samplers, batches of {plan.sample_batch})" if plan.sampling else '')
+          + ('. Compiled rows first build their kernels: minutes each on a CPU' if device.type == 'cpu' else '')
+          + '. Loading the data and counting FLOPs first ...', flush=True)
     bench, device, dataset_name, dataset, flops = prepare(bench)
-    rows = selected_rows(bench, device)
     meta = {**header(bench, device, flops, dataset_name), 'rows_planned': [row.name for row in rows]}
     stem, results, peers, start = output_stem(bench, device), [], {}, time.perf_counter()
-    print(f"ladder: {len(rows)} rows of {bench.preset} at {bench.image_size}x{bench.image_size} on "
-          f"{device_name(device)}, batch {bench.batch_size} then {bench.big_batch}, {flops['train'] / 1e9:.2f} GFLOP "
-          f"per image; each row 1 + {bench.warmup} + {bench.iters} iterations"
-          + ('; compiled rows first build their kernels (minutes each on a CPU)' if device.type == 'cpu' else ''),
-          flush=True)
     for index, row in enumerate(rows, 1):
         print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
         results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
         add_speedups(results)
-        left = (time.perf_counter() - start) / index * (len(rows) - index)
-        print(row_line(index, len(rows), results[-1]) + (f'; about {left / 60:.0f} min of rows left' if left else ''),
+        print(row_line(index, len(rows), results[-1]) + f'; {(time.perf_counter() - start) / 60:.1f} min so far',
               flush=True)
         write_ladder(stem, meta, results, peers, bench, final=False)
     measured = [(row, r) for row, r in zip(rows, results) if 'img_per_s' in r]
@@ -847,7 +849,9 @@ def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
     if not (tflops and gbs):
         raise ConfigError(f"--roofline: no peaks known for {name}: give --peak-tflops{'-fp32' if fp32 else ''} "
                           f"and --bandwidth-gbs")
-    return {'name': f'{name} (computed)', 'slug': slug, 'peak_tflops': tflops, 'bandwidth_gbs': gbs}
+    given = bench.bandwidth_gbs or (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops)
+    return {'name': f"{name} ({'peaks as given' if given else 'computed'})", 'slug': slug, 'peak_tflops': tflops,
+            'bandwidth_gbs': gbs}
 
 
 def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
@@ -855,7 +859,7 @@ def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
     row = start_row(bench, device)
     row = dataclasses.replace(row, batch_size=bench.big_batch, amp={'fp32': 'off'}.get(bench.precision, 'bf16'),
                               compile=row.compile and device.type == 'cuda')
-    return row, row_train_config(row, bench, device, 'shapes')
+    return row, row_train_config(row, bench, device, 'digits' if bench.dataset == 'digits' else 'shapes')
 
 
 def run_roofline(bench: BenchConfig) -> dict:
@@ -872,13 +876,14 @@ def run_roofline(bench: BenchConfig) -> dict:
     target = target or cpu_peaks(bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
     bounds = roofline_bounds(ops, cfg.batch_size, target['peak_tflops'], target['bandwidth_gbs'])
     flops = {'train': 1e9 * bounds['total']['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
-    result = {**header(bench, device, flops, 'shapes'), 'target': target, 'row': row.name, 'settings': asdict(row),
+    result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name, 'settings': asdict(row),
               'precision': bench.precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
     stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline" if bench.roofline
                           else output_stem(bench, device, 'profile'))
     if bench.profile:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
-        images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size))
+        channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
+        images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size)[:, :channels])
         prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
                                      bench.quick)
         trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
@@ -1050,12 +1055,12 @@ def validate(bench: BenchConfig) -> BenchConfig:
     """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
     check_ranges(bench)
     device = pick_device(bench.device)
-    bench = resolve(bench, device)
+    asked_size, bench = bench.image_size, resolve(bench, device)  # --quick on a CPU cuts the size: check the asked one
     modes = [name for name in MODES if getattr(bench, name)]
     if len(modes) > 1 and modes != ['roofline', 'profile']:  # --roofline --profile: the bound beside a profile
         raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
-    with refused_as(f'--image-size {bench.image_size}'):
-        model_config(bench)
+    with refused_as(f'--image-size {asked_size}'):
+        model_config(dataclasses.replace(bench, image_size=asked_size))
     if bench.rows:
         names = [row.name for row in ladder(bench, device)]
         wanted = [w.strip().lower() for w in bench.rows.split(',')]

@@ -82,6 +82,8 @@ def warn_of_changes(ckpt: dict, cfg):
     differs from the checkpoint's."""
     for name in CHANGED_WITH_WARNING:
         theirs = ckpt['config'].get(name, SETTINGS_BEFORE_THEY_EXISTED.get(name))
+        if name == 'snr_gamma' and cfg.loss_weight != 'min-snr':
+            continue  # weighs nothing now: the change of --loss-weight is the warning
         if theirs != getattr(cfg, name):
             print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint's: {theirs}): the resumed "
                   f"run trains on with it, and will differ from an uninterrupted one", file=sys.stderr)

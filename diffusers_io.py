@@ -416,11 +416,13 @@ def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int):
+def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int, channels: int = 3):
     """The example's data path: image files decoded by PIL in DataLoader workers, its transforms
-    (resize, centre crop, random flip, to [-1, 1]), shuffled; no pinned memory."""
+    (resize, centre crop, random flip, to [-1, 1]), shuffled; no pinned memory. ImageFolder reads
+    RGB; for a one-channel network (digits) the images are made grey again, which the example,
+    written for RGB, never does."""
     from torchvision import datasets, transforms
-    augmentations = transforms.Compose([
+    augmentations = transforms.Compose([transforms.Grayscale(1)] * (channels == 1) + [
         transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BILINEAR),
         transforms.CenterCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
         transforms.Normalize([0.5], [0.5])])

@@ -64,7 +64,8 @@ class SampleConfig:
     clip: str = flag('auto', 'clipping of the predicted x0 to [-1, 1]: auto is each sampler\'s own (ddpm clips, as the '
                              'paper\'s sampler; ddim and dpm++ do not, so that more steps converge to the ODE\'s '
                              'solution); x0 clips it (diffusers\' clip_sample), x0+eps also re-derives eps from it '
-                             '(use_clipped_model_output); none never clips', choices=('auto',) + diffusion.DDIM_CLIPS)
+                             '(use_clipped_model_output; for ddpm the same as x0, its mean reads x0 alone); none '
+                             'never clips; dpm++ takes auto or none', choices=('auto',) + diffusion.DDIM_CLIPS)
     batch_size: int = flag(256, 'images per sampling batch', at_least=1)
     out: str = flag('samples', 'output folder')
     format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
@@ -172,8 +173,8 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 
 MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
 GRID_LIMIT = 4096  # images in one --grid PNG (it is held in memory)
-SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'batch_size', 'format', 'seed',
-            'amp')
+SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'clip', 'batch_size', 'format',
+            'grid', 'seed', 'amp')
 
 
 def sample_settings(cfg: SampleConfig) -> dict:
@@ -257,30 +258,38 @@ def written_batches(cfg: SampleConfig, config: UNetConfig) -> typing.Iterator[to
             yield torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2)
 
 
-def continue_or_start(cfg: SampleConfig, config: UNetConfig) -> list:
-    """The batches still to draw in --out. Samples are written only into an empty folder or one of
-    ours (its samples.json): a folder of other files is refused, since a user's 000000.png would
-    be overwritten; one holding samples of other settings is refused; one of the same settings is
-    continued where it stopped."""
-    settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
-    size, channels = config.image_size, config.in_channels
-    batches = range(math.ceil(cfg.num / cfg.batch_size))
-    todo = batches
+def our_samples(cfg: SampleConfig, settings: dict) -> bool:
+    """Whether --out (claimed by this run) holds samples of these very settings, to continue. Samples
+    are written only into an empty folder or one of ours (its samples.json): a folder of other files
+    is refused, since a user's 000000.png or grid.png would be overwritten, and so is one holding
+    samples drawn with other settings."""
+    path = os.path.join(cfg.out, MANIFEST)
     others = sorted(set(os.listdir(cfg.out)) - {'lock', MANIFEST})
     if others and not os.path.isfile(path):
         raise ConfigError(f"--out {cfg.out} holds files that sample.py did not write ({', '.join(others[:3])}"
                           f"{', ...' if len(others) > 3 else ''}; no {MANIFEST}): pass an empty or new folder")
-    holds_samples = any(name.endswith(('.png', '.npz')) for name in others) or 'parts' in others
-    if os.path.isfile(path) and holds_samples:
-        try:
-            with open(path) as f:
-                saved = json.load(f)
-        except ValueError:
-            saved = {}
-        differing = [f'{k} {saved.get(k)!r}, now {v!r}' for k, v in settings.items() if saved.get(k) != v]
-        if differing:
-            raise ConfigError(f"--out {cfg.out} holds samples drawn with other settings ({'; '.join(differing[:3])}): "
-                              f"pass another --out, or empty that one")
+    if not (any(name.endswith(('.png', '.npz')) for name in others) or 'parts' in others):
+        return False
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except ValueError:
+        saved = {}
+    differing = [f'{k} {saved.get(k)!r}, now {v!r}' for k, v in settings.items() if saved.get(k) != v]
+    if differing:
+        raise ConfigError(f"--out {cfg.out} holds samples drawn with other settings ({'; '.join(differing[:3])}): "
+                          f"pass another --out, or empty that one")
+    return True
+
+
+def continue_or_start(cfg: SampleConfig, config: UNetConfig) -> list:
+    """The batches still to draw in --out: all of them, or those a stopped run of the same settings
+    left (our_samples); refused when the disk cannot hold them. Records the settings."""
+    settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
+    size, channels = config.image_size, config.in_channels
+    batches = range(math.ceil(cfg.num / cfg.batch_size))
+    todo = batches
+    if our_samples(cfg, settings):
         # A batch's files are written in order, each whole: its last file is there once all are.
         todo = [] if cfg.format == 'npz' and os.path.isfile(npz_path(cfg, size)) else \
             [b for b in batches if not os.path.isfile(batch_paths(cfg, b)[-1])]
@@ -325,9 +334,13 @@ def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Sa
 
 
 def write_grid_png(images: torch.Tensor, path: str):
-    from torchvision.utils import save_image
+    """uint8 (B, C, H, W) images as one square-ish grid PNG: RGB, or grey ('L') for one channel."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+    grid = make_grid(images, nrow=max(1, int(math.sqrt(len(images)))))  # (3, H', W'): one channel repeated
+    pixels = grid[:images.shape[1]].permute(1, 2, 0).numpy()
     with atomic_open(path, 'wb') as f:
-        save_image(images.float() / 255, f, format='png', nrow=max(1, int(math.sqrt(len(images)))))
+        Image.fromarray(pixels[:, :, 0] if images.shape[1] == 1 else pixels).save(f, format='png')
 
 
 @torch.no_grad()
@@ -831,6 +844,13 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
         return cfg
     if cfg.grid and cfg.num > GRID_LIMIT:
         raise ConfigError(f'--grid draws at most {GRID_LIMIT} images into one PNG, got --num {cfg.num}')
+    if cfg.grid and cfg.format != 'png':
+        raise ConfigError(f'--grid writes one PNG: --format {cfg.format} has no meaning with it')
+    if cfg.sampler == 'dpm++' and cfg.clip not in ('auto', 'none'):
+        raise ConfigError(f'--clip {cfg.clip}: DPM-Solver++ solves the ODE of the model as it is; it does not clip x0')
+    if cfg.fid and cfg.num < 2:
+        raise ConfigError(f'--fid compares statistics of the samples (a mean and a covariance): --num {cfg.num} is too '
+                          f'few; papers draw 50,000 (digits: 450, the size of the floor\'s set)')
     if not cfg.bpd or cfg.fid:  # images will be written
         check_writable(cfg.out, '--out')
     return cfg
@@ -848,7 +868,8 @@ def main(cfg: SampleConfig) -> dict:
     result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
     if cfg.bpd:
         result['bpd'] = bits_per_dim(model, config, sched, cfg, device, prediction)
-        print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f}")
+        print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f} "
+              f"+- {result['bpd']['stderr'] or 0:.4f} (standard error over images)")
         if not cfg.fid:
             return result  # --bpd alone evaluates; add --fid to sample as well
     # The reference statistics first: a missing data set fails before the sampling, not after.
@@ -856,12 +877,20 @@ def main(cfg: SampleConfig) -> dict:
     extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid and not judge else None
     reference = (reference_statistics(cfg.fid_data, cfg.data_dir, config.image_size, extractor, cfg.batch_size,
                                       cfg.fid_stats) if extractor else None)
-    if cfg.grid:
-        start = time.perf_counter()
-        images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
-        drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
-                 'path': os.path.join(cfg.out, 'grid.png')}
-        write_grid_png(images, drawn['path'])
+    if cfg.grid:  # into a folder of ours, as the separate images are
+        release_lock = claim_folder(cfg.out, '--out', ('grid.png.tmp', MANIFEST + '.tmp'))
+        try:
+            settings = sample_settings(cfg)
+            our_samples(cfg, settings)
+            with atomic_open(os.path.join(cfg.out, MANIFEST)) as f:
+                json.dump(settings, f, indent=1)
+            start = time.perf_counter()
+            images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
+            drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
+                     'path': os.path.join(cfg.out, 'grid.png')}
+            write_grid_png(images, drawn['path'])
+        finally:
+            release_lock()
         on_disk = images.split(cfg.batch_size)
     else:
         leftovers = ('[0-9]*.png.tmp', '*.npz.tmp', 'parts/batch_*.npy.tmp', MANIFEST + '.tmp')

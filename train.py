@@ -52,7 +52,7 @@ class TrainConfig:
     data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file '
                                    '(--dataset beton or --loader ffcv); for digits and shapes only the cache of '
                                    'the evaluation\'s classifier and statistics')
-    image_size: int = flag(32, 'training resolution (images are resized and centre-cropped)')
+    image_size: int = flag(32, 'training resolution (images are resized and centre-cropped)', at_least=1)
     shapes_count: int = flag(8192, 'number of images in the shapes data set', at_least=1)
     batch_size: int | None = flag(None, 'global batch size, split across DDP ranks (paper: 128; tiny: 32)', at_least=1)
     epochs: int = flag(2048, 'epochs to train (2048 epochs of CIFAR-10 at batch 128 ~ the paper\'s 800k steps)',
@@ -94,7 +94,7 @@ class TrainConfig:
                                 '--inception-weights; offline without them FID is left out with a warning)')
     eval_samples: int | None = flag(None, 'EMA samples per FID, drawn with --sampler and --sample-steps (default '
                                           '10000; papers report 50,000; fewer samples read higher); digits: 450, '
-                                          'the size of the held-out split that sets the score\'s floor', at_least=1)
+                                          'the size of the held-out split that sets the score\'s floor', at_least=2)
     eval_bpd_images: int = flag(1000, 'held-out images of the bits/dim estimate', at_least=1)
     eval_bpd_timesteps: int = flag(32, 'timesteps of the Monte Carlo bits/dim estimate: 1 + this many model calls '
                                        'per held-out image', at_least=1, at_most=NUM_TIMESTEPS - 1)
@@ -405,6 +405,9 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
                 'eval_samples': 450 if cfg.dataset == 'digits' else 10000}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
     cfg.amp = ('bf16' if cuda and torch.cuda.is_bf16_supported() else 'off') if cfg.amp == 'auto' else cfg.amp
+    if cfg.loader == 'ffcv' and cfg.dataset == 'digits':
+        raise ConfigError('--loader ffcv reads a .beton, whose images are RGB: digits (one channel) train with '
+                          '--loader gpu or torch')
     if cfg.loader == 'ffcv':
         cfg.dataset = 'beton'  # FFCV reads the .beton file given as --data-dir
     return cfg

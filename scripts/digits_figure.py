@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import atomic_open  # noqa: E402
+from cli import ConfigError, atomic_open, run_main  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -24,7 +24,16 @@ def main(argv=None) -> int:
     parser.add_argument('--out', default='ddpm_samples/readme_digits.png', help='the PNG to write')
     parser.add_argument('--scale', type=int, default=4, help='pixels per image pixel (default 4)')
     args = parser.parse_args(argv)
+    if args.scale < 1:
+        parser.error('--scale must be at least 1')
+    return run_main(draw_figure, args)
+
+
+def draw_figure(args):
     model, config, sched, prediction = sample.load_model(args.ckpt, 'ema', torch.device('cpu'))
+    if config.in_channels != 1:
+        raise ConfigError(f'--ckpt {args.ckpt}: a model of {config.in_channels}-channel images; the figure sets a '
+                          f'digits model (one channel) beside real digits')
     shape = (64, config.in_channels, config.image_size, config.image_size)
     with torch.no_grad():
         drawn = sample.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, torch.Generator().manual_seed(0),
@@ -38,7 +47,6 @@ def main(argv=None) -> int:
     with atomic_open(args.out, 'wb') as f:
         Image.fromarray(pixels).save(f, format='png')
     print(f'wrote {args.out}: drawn by {args.ckpt} (left), held-out digits (right)')
-    return 0
 
 
 if __name__ == '__main__':

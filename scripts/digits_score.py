@@ -14,7 +14,7 @@ from torchvision.transforms.functional import gaussian_blur
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import sample  # noqa: E402
-from cli import markdown_table, provenance, write_report  # noqa: E402
+from cli import check_writable, markdown_table, provenance, run_main, write_report  # noqa: E402
 
 
 def damaged_sets(size: int) -> list:
@@ -44,6 +44,13 @@ def main(argv=None) -> int:
     parser.add_argument('--data-dir', default='./data', help='where the classifier is cached (default: ./data)')
     parser.add_argument('--out-dir', default='results', help='where the JSON and Markdown go (default: results)')
     args = parser.parse_args(argv)
+    if args.image_size < 4:
+        parser.error('--image-size must be at least 4')
+    return run_main(check_the_score, args)
+
+
+def check_the_score(args):
+    check_writable(args.out_dir, '--out-dir')
     judge = sample.DigitsJudge(args.image_size, args.data_dir)
     rows = []
     for name, images in damaged_sets(args.image_size):
@@ -59,7 +66,6 @@ def main(argv=None) -> int:
                  notes=f'; classifier held-out accuracy {judge.accuracy:.4f}; each set against the training split\'s '
                        f'statistics')
     print(table)
-    return 0
 
 
 if __name__ == '__main__':

@@ -20,7 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import format_or_na, markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+from cli import (ConfigError, atomic_open, format_or_na, markdown_table, provenance, pyplot, run_main,  # noqa: E402
+                 save_figure, write_report)
 
 SETTINGS = {  # name -> train.py flags
     'paper (eps, uniform)': [],
@@ -32,7 +33,7 @@ SCORE = 'digits_fd'
 
 
 def slug(name: str) -> str:
-    return ''.join(c if c.isalnum() else '-' for c in name).strip('-').replace('--', '-')
+    return '-'.join(''.join(c if c.isalnum() else ' ' for c in name).split())  # 'v + min-snr-5' -> 'v-min-snr-5'
 
 
 def run_once(name: str, seed: int, args) -> list:
@@ -70,46 +71,62 @@ def images_to_reach(curve: list, target: float):
 
 
 def summarise(curves: dict) -> dict:
-    """Per setting: final scores (mean, sd over seeds), images to reach the recipe's final mean score
-    (per seed, mean, sd) and the ratio to the recipe's, with whether the final scores differ by more
-    than twice their standard error."""
+    """Per setting: final scores (mean, sd over seeds) and whether they differ from the recipe's by
+    more than twice their standard error; then, for two targets (the recipe's mean final score and
+    its mean score at the evaluation nearest half the run), the images each seed needs to reach it
+    and the ratio to the recipe's images at the same seed (mean, sd over seeds where both reach it)."""
     paper = 'paper (eps, uniform)'
+    sd = lambda v: statistics.stdev(v) if len(v) > 1 else None  # noqa: E731
     finals = {name: [c[-1]['score'] for c in runs] for name, runs in curves.items()}
-    target = statistics.mean(finals[paper])
-    out = {'target': target, 'settings': {}}
-    paper_images = [images_to_reach(c, target) for c in curves[paper]]
+    halfway = min(range(len(curves[paper][0])), key=lambda i: abs(2 * curves[paper][0][i]['images'] -
+                                                                  curves[paper][0][-1]['images']))
+    targets = {'final': statistics.mean(finals[paper]),
+               'halfway': statistics.mean(c[halfway]['score'] for c in curves[paper])}
+    out = {'target': targets['final'], 'targets': targets,
+           'halfway_images': curves[paper][0][halfway]['images'], 'settings': {}}
     for name, runs in curves.items():
-        reach = [images_to_reach(c, target) for c in runs]
-        reached = [r for r in reach if r is not None]
-        sd = lambda v: statistics.stdev(v) if len(v) > 1 else None  # noqa: E731
         stderr = math.sqrt(sum((sd(v) or 0) ** 2 / len(v) for v in (finals[name], finals[paper])))
-        ratios = [r / p for r, p in zip(reach, paper_images) if r is not None and p is not None]
-        out['settings'][name] = {
-            'final_mean': statistics.mean(finals[name]), 'final_sd': sd(finals[name]), 'finals': finals[name],
-            'images_to_target': reach, 'reached': f'{len(reached)} of {len(reach)}',
-            'images_mean': statistics.mean(reached) if reached else None, 'images_sd': sd(reached),
-            'ratio_to_paper_mean': statistics.mean(ratios) if ratios else None, 'ratio_sd': sd(ratios),
-            'final_difference': statistics.mean(finals[name]) - target,
-            'exceeds_seed_noise': abs(statistics.mean(finals[name]) - target) > 2 * stderr if stderr else None}
+        difference = statistics.mean(finals[name]) - targets['final']
+        setting = {'final_mean': statistics.mean(finals[name]), 'final_sd': sd(finals[name]), 'finals': finals[name],
+                   'final_difference': difference, 'exceeds_seed_noise': abs(difference) > 2 * stderr if stderr else None}
+        for key, target in targets.items():
+            reach = [images_to_reach(c, target) for c in runs]
+            paper_reach = [images_to_reach(c, target) for c in curves[paper]]
+            reached = [r for r in reach if r is not None]
+            ratios = [r / p for r, p in zip(reach, paper_reach) if r is not None and p is not None]
+            suffix = '' if key == 'final' else '_halfway'
+            setting.update({f'images_to_target{suffix}': reach, f'reached{suffix}': f'{len(reached)} of {len(reach)}',
+                            f'images_mean{suffix}': statistics.mean(reached) if reached else None,
+                            f'images_sd{suffix}': sd(reached), f'ratio_to_paper_mean{suffix}': (
+                                statistics.mean(ratios) if ratios else None),
+                            f'ratio_sd{suffix}': sd(ratios), f'ratios{suffix}': len(ratios)})
+        out['settings'][name] = setting
     return out
 
 
 def report(curves: dict, summary: dict, args):
     """The table (JSON and Markdown, through cli.write_report) and the curves' plot."""
+    def reach(s, suffix):  # images (seeds that reach the target), ratio to the recipe's at the same seed
+        ratio = format_or_na(s[f'ratio_to_paper_mean{suffix}'], '.2f')
+        spread = format_or_na(s[f'ratio_sd{suffix}'], '.2f')
+        return [f"{format_or_na(s[f'images_mean{suffix}'], ',.0f')} ({s[f'reached{suffix}']})",
+                f"{ratio} +- {spread} (n={s[f'ratios{suffix}']})"]
+    targets = summary['targets']
     table = markdown_table(
-        ['Setting', 'final score, mean', 'sd over seeds', 'images to the target, mean', 'sd',
-         'x the recipe\'s images (mean of per-seed ratios)', 'sd', 'reached', 'final differs beyond seed noise'],
-        [[name, f"{s['final_mean']:.2f}"] + [format_or_na(s[key], spec) for key, spec in (
-            ('final_sd', '.2f'), ('images_mean', ',.0f'), ('images_sd', ',.0f'), ('ratio_to_paper_mean', '.2f'),
-            ('ratio_sd', '.2f'))] + [s['reached'], s['exceeds_seed_noise']]
-         for name, s in summary['settings'].items()])
+        ['Setting', 'final score, mean +- sd over seeds', 'final differs beyond seed noise',
+         f"images to {targets['final']:.1f} (the recipe's final), mean (seeds that reach it)",
+         'x the recipe\'s images, per-seed ratio mean +- sd',
+         f"images to {targets['halfway']:.1f} (the recipe's at {summary['halfway_images']:,}), mean (seeds)",
+         'x the recipe\'s images, per-seed ratio mean +- sd'],
+        [[name, f"{s['final_mean']:.2f} +- {format_or_na(s['final_sd'], '.2f')}", s['exceeds_seed_noise'],
+          *reach(s, ''), *reach(s, '_halfway')] for name, s in summary['settings'].items()])
     png = write_report(args.out_dir, args.stem, {**summary, 'curves': curves},
                        'Images to quality on digits: v-prediction and Min-SNR against the paper\'s recipe', table,
                        notes=f"; tiny preset, {args.image_size}x{args.image_size}, batch {args.batch_size}, "
                              f"{args.images:,} training images per run, seeds 0 to {args.seeds - 1}; the digits score "
                              f"(FD in digit-classifier features, {args.eval_samples} EMA samples of DPM-Solver++ at 20 "
-                             f"calls; floor about 7 at 450) every {args.eval_every:,} images. Target: the "
-                             f"recipe's mean final score, {summary['target']:.2f}")
+                             f"calls; floor about 7 at 450) every {args.eval_every:,} images. Targets: the "
+                             f"recipe's mean score at the end and half-way; ratios pair runs of the same seed")
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for (name, runs), colour in zip(curves.items(), ('black', 'tab:blue', 'tab:orange', 'tab:green')):
@@ -146,8 +163,26 @@ def main(argv=None) -> int:
     parser.add_argument('--workers', type=int, default=1, help='runs trained at once, each in its own process (set '
                                                                'OMP_NUM_THREADS=1 then; default 1)')
     args = parser.parse_args(argv)
-    if args.images < args.eval_every or args.seeds < 1 or args.images < args.batch_size or args.workers < 1:
-        parser.error('--images must be at least --eval-every and --batch-size, --seeds and --workers at least 1')
+    if min(args.eval_every, args.batch_size, args.seeds, args.workers, args.eval_samples - 1) < 1:
+        parser.error('--eval-every, --batch-size, --seeds and --workers must be at least 1, --eval-samples at least 2')
+    if args.images < max(args.eval_every, args.batch_size):
+        parser.error('--images must be at least --eval-every and --batch-size')
+    return run_main(study, args)
+
+
+def study(args):
+    """Every run (reused where its folder holds it: the runs folder records what decides them, and
+    a study of other settings into it is refused), then the report."""
+    decides = {k: getattr(args, k) for k in ('images', 'eval_every', 'eval_samples', 'batch_size', 'image_size')}
+    manifest = os.path.join(args.runs_dir, 'study.json')
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            saved = json.load(f)
+        if saved != decides:
+            raise ConfigError(f'--runs-dir {args.runs_dir} holds runs of other settings ({saved}): pass another one')
+    os.makedirs(args.runs_dir, exist_ok=True)
+    with atomic_open(manifest) as f:
+        json.dump(decides, f)
     jobs = [(name, seed, args) for name in SETTINGS for seed in range(args.seeds)]
     if args.workers > 1:  # the runs are independent: what decides each is its own flags and seed
         import multiprocessing
@@ -157,7 +192,6 @@ def main(argv=None) -> int:
         done = [run_once(*job) for job in jobs]
     curves = {name: [curve for (job_name, _, _), curve in zip(jobs, done) if job_name == name] for name in SETTINGS}
     report(curves, {**provenance(f'CPU ({os.cpu_count()} cores)'), **summarise(curves)}, args)
-    return 0
 
 
 if __name__ == '__main__':

@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import format_or_na, markdown_table, pick_device, provenance, pyplot, save_figure, write_report  # noqa: E402
+from cli import (check_writable, format_or_na, markdown_table, pick_device, provenance, pyplot,  # noqa: E402
+                 run_main, save_figure, write_report)
 
 CALLS = (5, 10, 20, 50, 100, 1000)
 SAMPLERS = ('ddim', 'ddim-clip-x0', 'ddpm', 'dpm++-time', 'dpm++-logsnr')
@@ -107,10 +108,11 @@ def mixture_rows(calls: tuple, n: int, seed: int) -> tuple:
     return rows, floor
 
 
-def checkpoint_rows(path: str, calls: tuple, batch: int, seed: int, device) -> list:
+def checkpoint_rows(loaded: tuple, path: str, calls: tuple, batch: int, seed: int, device) -> list:
     """RMS distance (in [-1, 1] units and in grey levels) of a trained model's N-call images to its
-    own converged ODE solution from the same noise (DPM-Solver++ over every timestep)."""
-    model, config, sched, prediction = sample.load_model(path, 'ema', device)
+    own converged ODE solution from the same noise (DPM-Solver++ over every timestep). `loaded`:
+    sample.load_model's (model, config, schedule, prediction) of `path`."""
+    model, config, sched, prediction = loaded
     shape = (batch, config.in_channels, config.image_size, config.image_size)
     reference = solve('dpm++-time', sched.num_steps, model, sched, shape, seed, device, prediction)
     rows = []
@@ -134,10 +136,19 @@ def main(argv=None) -> int:
     parser.add_argument('--out-dir', default='results', help='where the JSON, Markdown and PNG go')
     parser.add_argument('--stem', default='solver-accuracy', help='output file name stem')
     args = parser.parse_args(argv)
+    if args.sample_batch < 1 or os.path.basename(args.stem) != args.stem or args.stem in ('', '.', '..'):
+        parser.error('--sample-batch must be at least 1, and --stem a plain file name (--out-dir says where)')
+    return run_main(study, args)
+
+
+def study(args):
     calls, n = ((5, 20), 1000) if args.quick else (CALLS, 20000)
+    device = pick_device(args.device)
+    checked = sample.load_model(args.ckpt, 'ema', device) if args.ckpt else None  # a bad --ckpt fails first
+    check_writable(args.out_dir, '--out-dir')
     rows, floor = mixture_rows(calls, n, args.seed)
-    if args.ckpt:
-        rows += checkpoint_rows(args.ckpt, calls, args.sample_batch, args.seed, pick_device(args.device))
+    if checked:
+        rows += checkpoint_rows(checked, args.ckpt, calls, args.sample_batch, args.seed, device)
     result = {**provenance('CPU' if args.device == 'cpu' else args.device), 'samples': n, 'rows': rows,
               'floor': {'sliced_w1': floor}}
     table = markdown_table(
@@ -151,7 +162,6 @@ def main(argv=None) -> int:
                              f'sets of true samples: {floor:.4f}, the noise floor)')
     plot(rows, png, floor)
     print(table)
-    return 0
 
 
 def plot(rows: list, path: str, floor: float):

@@ -455,14 +455,17 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
     assert not (tmp_path / 'out').exists() or not list((tmp_path / 'out').iterdir())
 
 
-@pytest.mark.parametrize('args', [[], ['headline'], ['bogus', 'OUT'], ['headline', 'OUT', '--fast'],
-                                  ['headline', 'OUT', '--quick', 'extra']])
-def test_measure_script_refuses_bad_calls_in_one_line_and_writes_nothing(tmp_path, root, args):
-    args = [str(tmp_path / 'out') if a == 'OUT' else a for a in args]
+@pytest.mark.parametrize('args, expected', [
+    ([], 'usage: bash scripts/measure_gpu.sh headline|profile|'), (['headline'], 'usage:'), (['bogus', 'OUT'], 'usage:'),
+    (['headline', 'OUT', '--fast'], 'usage:'), (['headline', 'OUT', '--quick', 'extra'], 'usage:'),
+    (['headline', '', '--quick'], 'must be a folder'), (['headline', 'FILE', '--quick'], 'must be a folder')])
+def test_measure_script_refuses_bad_calls_in_one_line_and_writes_nothing(tmp_path, root, args, expected):
+    (tmp_path / 'file').write_text('not a folder')
+    args = [{'OUT': str(tmp_path / 'out'), 'FILE': str(tmp_path / 'file')}.get(a, a) for a in args]
     result = subprocess.run(['bash', 'scripts/measure_gpu.sh', *args], cwd=root, capture_output=True, text=True,
                             timeout=60)
-    assert result.returncode == 2 and result.stderr.startswith('usage: bash scripts/measure_gpu.sh headline|profile|')
-    assert len(result.stderr.splitlines()) == 1 and not (tmp_path / 'out').exists()
+    assert result.returncode == 2 and expected in result.stderr and len(result.stderr.splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['file']
 
 
 def test_measure_script_refuses_missing_wheels(tmp_path, root):

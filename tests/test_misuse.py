@@ -220,3 +220,48 @@ def test_heldout_losses_of_a_resumed_run_are_those_of_the_uninterrupted_run(tmp_
     whole, split = heldout(tmp_path / 'whole'), heldout(tmp_path / 'split')
     assert set(whole) == set(split) == {2, 4, 6, 8}
     assert whole == split
+
+
+# ----------------------------------------------------------------------------- sample.py's flags, found by a tester
+
+def test_a_rerun_with_another_clip_is_refused_not_mixed(tmp_path, tiny_ckpt, capsys):
+    common = ['--ckpt', tiny_ckpt, '--num', '2', '--steps', '2', '--device', 'cpu', '--out', str(tmp_path / 's')]
+    assert sample.cli(common + ['--clip', 'x0']) == 0
+    assert sample.cli(common + ['--clip', 'none']) == 2
+    assert 'clip' in one_error_line(capsys)
+
+
+def test_a_grid_never_overwrites_files_it_did_not_write(tmp_path, tiny_ckpt, capsys):
+    from PIL import Image
+    common = ['--ckpt', tiny_ckpt, '--num', '4', '--steps', '2', '--device', 'cpu', '--grid']
+    mine = tmp_path / 'mine'
+    mine.mkdir()
+    Image.new('RGB', (8, 8), 'red').save(mine / 'grid.png')
+    before = (mine / 'grid.png').read_bytes()
+    assert sample.cli(common + ['--out', str(mine)]) == 2
+    assert 'did not write' in one_error_line(capsys) and (mine / 'grid.png').read_bytes() == before
+    ours = tmp_path / 'ours'
+    assert sample.cli(common + ['--out', str(ours)]) == 0 and sample.cli(common + ['--out', str(ours)]) == 0
+    assert sorted(os.listdir(ours)) == ['grid.png', 'samples.json']  # its own folder: drawn again, the same
+    assert sample.cli(common[:-1] + ['--out', str(ours)]) == 2  # separate images into a grid's folder: refused
+    assert 'other settings' in one_error_line(capsys)
+
+
+@pytest.mark.parametrize('flags, expected', [
+    (['--sampler', 'dpm++', '--clip', 'x0'], 'does not clip'),
+    (['--grid', '--format', 'npz'], '--grid writes one PNG'),
+    (['--fid', '--num', '1'], 'too few'),
+])
+def test_sample_flags_that_cannot_work_together_are_one_line_before_any_work(tmp_path, tiny_ckpt, capsys, flags,
+                                                                             expected):
+    assert sample.cli(['--ckpt', tiny_ckpt, '--steps', '2', '--device', 'cpu', '--out', str(tmp_path / 's'),
+                       *flags]) == 2
+    assert expected in one_error_line(capsys) and not (tmp_path / 's').exists()
+
+
+def test_a_grid_of_digits_is_a_grey_png(tmp_path, capsys):
+    from PIL import Image
+    assert run(tmp_path, '--dataset', 'digits', '--steps', '1', '--num-samples', '4') == 0
+    grids = list((tmp_path / 'samples').iterdir())
+    with Image.open(grids[0]) as grid:
+        assert grid.mode == 'L'

@@ -35,7 +35,7 @@ def test_png_npz_and_grid_outputs(ckpt, tmp_path):
     assert a.shape == (5, 16, 16, 3) and a.dtype == np.uint8
     assert np.array_equal(a, b)  # reproducible from the seed
     assert sample.cli(common + ['--out', str(tmp_path / 'grid'), '--grid']) == 0
-    assert [p.name for p in (tmp_path / 'grid').iterdir()] == ['grid.png']
+    assert sorted(p.name for p in (tmp_path / 'grid').iterdir()) == ['grid.png', 'samples.json']  # marked ours
 
 
 def test_raw_weights_differ_from_the_ema(ckpt, tmp_path):

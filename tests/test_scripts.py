@@ -2,6 +2,8 @@
 study, the digits score's checks, and the images-to-quality study of v-prediction and Min-SNR."""
 import json
 
+import pytest
+
 import digits_score
 import prediction_study
 import solver_accuracy
@@ -50,3 +52,31 @@ def test_the_prediction_study_reports_images_to_the_recipes_score(tmp_path):
     # A finished study is not trained again: the runs' folders are reused (here by two worker processes).
     assert prediction_study.main(small + ['--stem', 'again', '--workers', '2']) == 0
     assert json.loads((tmp_path / 'again.json').read_text())['curves'] == result['curves']
+
+
+def test_images_to_reach_interpolates_in_log_images_and_log_score():
+    curve = [{'images': 100, 'score': 40.0}, {'images': 200, 'score': 10.0}, {'images': 400, 'score': 5.0}]
+    # 20 lies half-way between 40 and 10 in log score, so half-way between 100 and 200 in log images.
+    assert prediction_study.images_to_reach(curve, 20.0) == pytest.approx(100 * 2 ** 0.5)
+    assert prediction_study.images_to_reach(curve, 50.0) == 100  # reached at the first evaluation
+    assert prediction_study.images_to_reach(curve, 10.0) == pytest.approx(200)
+    assert prediction_study.images_to_reach(curve, 4.0) is None
+
+
+def test_the_study_summary_pairs_seeds_and_names_both_targets():
+    def curve(*scores):
+        return [{'images': 100 * (i + 1), 'score': s} for i, s in enumerate(scores)]
+    paper_runs = [curve(80, 40, 10, 10), curve(80, 40, 20, 10)]  # reach 10 at 300 and 400 images
+    curves = {name: paper_runs for name in prediction_study.SETTINGS}
+    curves['v-prediction'] = [curve(40, 20, 10, 9.5), curve(40, 10, 8, 8)]  # reach 10 at 300 and 200
+    curves['min-snr-5 (eps)'] = [curve(80, 40, 10, 8), curve(80, 40, 20, 8.5)]
+    summary = prediction_study.summarise(curves)
+    assert summary['targets'] == {'final': 10, 'halfway': 40} and summary['halfway_images'] == 200
+    v, paper = summary['settings']['v-prediction'], summary['settings']['paper (eps, uniform)']
+    # Paired by seed: 300/300 and 200/400 (not 300/400 and 200/300).
+    assert v['images_to_target'] == pytest.approx([300, 200]) and v['ratio_to_paper_mean'] == pytest.approx(0.75)
+    assert v['images_to_target_halfway'] == [100, 100] and v['ratio_to_paper_mean_halfway'] == pytest.approx(0.5)
+    assert paper['ratio_to_paper_mean'] == 1 and paper['ratio_sd'] == 0 and v['ratios'] == 2
+    # Seed noise: twice the standard error of the difference of means (paper's sd 0 here).
+    assert v['final_mean'] == 8.75 and v['exceeds_seed_noise'] is False  # 1.25 < 2 x 0.75
+    assert summary['settings']['min-snr-5 (eps)']['exceeds_seed_noise'] is True  # 1.75 > 2 x 0.25
