@@ -19,8 +19,6 @@ per step: data, forward, backward, gradient clipping, Adam step and EMA update. 
 median over many iterations after warm-up, from a chain of CUDA events (so that host stalls, such
 as waiting for data, are counted). Compilation is timed separately and kept out of the throughput.
 """
-import contextlib
-import copy
 import dataclasses
 import functools
 import os
@@ -32,20 +30,18 @@ import typing
 from dataclasses import asdict, dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
 from tqdm import tqdm
 
 import data
 import diffusion
 import sample
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, atomic_path, autocast, brief, check_ranges,
-                 check_writable, cpu_peaks, flag, format_or_na, gpu_peak_key, markdown_table, parse_config, peak_tflops,
-                 pick_device, precision_of, provenance, pyplot, refused_as, remove_dead_writers, run_main, save_figure,
-                 synchronize, write_report)
+import roofline
+from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_ranges, check_writable,
+                 flag, format_or_na, gpu_peak_key, markdown_table, parse_config, peak_tflops, pick_device, precision_of,
+                 provenance, pyplot, refused_as, run_main, save_figure, synchronize, write_once, write_report)
 from diffusers_io import RECIPE, DiffusersUNet, recipe_batches, recipe_loader, recipe_parts, recipe_step
-from model import (FUSED_ASSUMPTIONS, PRESETS, ROOFLINE_CATEGORIES, StepCounter, UNet, categorise, ceiling,
-                   count_flops, count_params, count_torchinfo_flops, cuda_policy, get_config, roofline_bounds)
+from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
 
 
 @dataclass
@@ -432,17 +428,9 @@ def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonData
 
 
 def written_once(bench: BenchConfig, dataset_name: str, dataset, suffix: str, what: str, write) -> str:
-    """DATA_DIR/bench-<set>-<count>x<size><suffix>, the images in another form, written once by
-    write(tmp) into PATH.tmp-PID and renamed into place: it is whole or absent. Concurrent benchmarks
-    each write their own and share the one renamed first (a second folder is discarded); a killed
-    writer's copy is removed by the next one."""
+    """DATA_DIR/bench-<set>-<count>x<size><suffix>: the images in another form (cli.write_once)."""
     path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}{suffix}')
-    if not os.path.exists(path):
-        print(f'writing {path} for {what} ...', flush=True)
-        remove_dead_writers(path)
-        with atomic_path(path, durable=False, unique=True) as tmp:
-            write(tmp)
-    return path
+    return write_once(path, what, write)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -498,24 +486,6 @@ def summary_lines(meta: dict, peers: list) -> str:
                      f"{peer['img_per_s']:,.0f} img/s of diffusers {peer.get('diffusers', '')} {what[peer['kind']]} "
                      f"(first timing of our row: {peer['ratio_first_timing']:.2f}x).")
     return '\n'.join(lines)
-
-
-def bar_chart(path: str, names: list, values: list, title: str, xlabel: str, colours=None, texts=None,
-              lines: dict = None, log: bool = False):
-    """One horizontal bar per name, top to bottom, with optional text after each bar and vertical
-    reference lines ({label: x})."""
-    fig, ax = pyplot().subplots(figsize=(9, 0.45 * len(names) + 1.5))
-    bars = ax.barh(names[::-1], values[::-1], color=(colours or ['tab:blue'] * len(names))[::-1])
-    for bar, text in zip(bars, (texts or [])[::-1]):
-        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va='center', fontsize=8)
-    for (label, x), style in zip((lines or {}).items(), ('--', ':')):
-        ax.axvline(x, color='tab:red', linestyle=style, label=label)
-    if lines:
-        ax.legend(fontsize=8)
-    ax.set_xscale('log') if log else ax.set_xlim(0, max(values) * 1.35 if values else 1)
-    ax.set(xlabel=xlabel)
-    ax.set_title(title, fontsize=9)
-    save_figure(fig, path, dpi=120)
 
 
 def write_ladder(stem: str, meta: dict, rows: list, peers: dict, bench: BenchConfig, final: bool = True) -> dict:
@@ -781,7 +751,7 @@ def profile_rows(prof, device: torch.device, active: int) -> list:
             continue  # CPU ops that launch kernels: their kernels are counted instead
         self_us = event.self_device_time_total if device.type == 'cuda' else event.self_cpu_time_total
         if self_us > 0 and not event.key.startswith('ProfilerStep'):  # the profiler's own record: host time between ops
-            rows.append({'name': event.key, 'category': categorise(event.key), 'calls': event.count,
+            rows.append({'name': event.key, 'category': roofline.categorise(event.key), 'calls': event.count,
                          'self_us': self_us, 'ms_per_iter': self_us / 1e3 / active})
     return sorted(rows, key=lambda r: -r['self_us'])
 
@@ -805,32 +775,6 @@ def profile_steps(run: train.Run, quick: bool) -> tuple:
 
 
 # ----------------------------------------------------------------------------- the physical limit
-
-def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
-    """train.py's step op by op (model.StepCounter) on fake tensors (shapes, no memory): the loader's
-    next batch, then train.train_step over what train.build_run makes (made here by the same
-    functions: build_run reads real data), after a step that creates the optimizer's state; as on
-    CUDA (model.cuda_policy) or as on the CPU."""
-    with torch.device('meta'):
-        model = UNet(train.model_config_of(cfg))
-    model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-    ema, counter, cpu = copy.deepcopy(model).eval().requires_grad_(False), StepCounter(), torch.device('cpu')
-    with cuda_policy() if cuda else contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True):
-        model, ema, sched = model.to(cpu), ema.to(cpu), diffusion.make_schedule(train.NUM_TIMESTEPS, cfg.schedule)
-        images = torch.zeros(2 * cfg.batch_size, model.config.in_channels, cfg.image_size, cfg.image_size,
-                             dtype=torch.uint8)
-        loss = train.make_loss(dataclasses.replace(cfg, compile=False), model, sched, cpu)
-        optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
-        run = train.Run(cfg, cpu, 0, 1, model, ema, loss, optimizer, torch.amp.GradScaler('cpu', enabled=False),
-                        sched, data.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
-        stream = train.batches(run, 0)
-        train.train_step(run, next(stream), 0)
-        with counter:
-            x0 = next(stream)
-            counter.phase = 'step'
-            train.train_step(run, x0, 1)
-    return counter.ops
-
 
 def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
     """The peaks of the bound: --gpu's, this GPU's or the H100 SXM's (from the tables unless the flags
@@ -863,8 +807,8 @@ def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
 
 
 def run_roofline(bench: BenchConfig) -> dict:
-    """--roofline: the start row's step at --big-batch and --precision, counted (count_step) and
-    bounded on a GPU (roofline_bounds). --profile: the same step also run and profiled here (a
+    """--roofline: the start row's step at --big-batch and --precision, counted (roofline.count_step)
+    and bounded on a GPU (roofline.bounds). --profile: the same step also run and profiled here (a
     trace, the top ops), each category's time beside its bound on this device: a GPU's from its
     data sheet, a CPU's from its peaks measured now (the step run eagerly, a profile of aten ops)."""
     device = pick_device(bench.device)
@@ -872,9 +816,9 @@ def run_roofline(bench: BenchConfig) -> dict:
     counted_on = device if bench.profile else torch.device('cuda')  # the GPU's step, wherever it is counted
     row, cfg = roofline_step(bench, counted_on)
     print(f'counting a step: {bench.preset}, {row.name}, {bench.precision}, batch {cfg.batch_size}', flush=True)
-    ops = count_step(cfg, cuda=counted_on.type == 'cuda')
-    target = target or cpu_peaks(bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
-    bounds = roofline_bounds(ops, cfg.batch_size, target['peak_tflops'], target['bandwidth_gbs'])
+    ops = roofline.count_step(cfg, cuda=counted_on.type == 'cuda')
+    target = target or roofline.cpu_peaks(bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
+    bounds = roofline.bounds(ops, cfg.batch_size, target['peak_tflops'], target['bandwidth_gbs'])
     flops = {'train': 1e9 * bounds['total']['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
     result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name, 'settings': asdict(row),
               'precision': bench.precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
@@ -890,62 +834,11 @@ def run_roofline(bench: BenchConfig) -> dict:
         os.makedirs(os.path.dirname(trace), exist_ok=True)
         prof.export_chrome_trace(trace)
         ops = profile_rows(prof, device, active)
-        categories = {**bounds['categories'], 'total': bounds['total']}
-        for c in categories.values():
-            c['measured_ms'] = 0.0
-        for op in ops:
-            for name in (ROOFLINE_CATEGORIES[op['category']], 'total'):
-                categories[name]['measured_ms'] += op['ms_per_iter']
-        result['cases']['measured'] = ceiling(bounds['total']['measured_ms'], cfg.batch_size, bounds['total'])
+        result['cases']['measured'] = roofline.add_measured(bounds, ops, cfg.batch_size)
         result.update(measured_against='fused' if row.compile else 'eager', trace=trace, active_iterations=active,
                       top_ops=ops[:40])
-    write_roofline(result, bench, stem)
+    roofline.write(result, bench.out_dir, stem)
     return result
-
-
-def write_roofline(result: dict, bench: BenchConfig, stem: str):
-    """Bounds per category and in total, the measured times beside them and the top ops; the step's
-    ceilings; a stacked bar chart of the cases."""
-    target, cases, against = result['target'], result['cases'], result.get('measured_against')
-
-    def measured(c):
-        ms, bound = c['measured_ms'], c[f'{against}_ms']
-        return ([f'{ms:.3f}', format_or_na(ms / bound if bound else None, '.2f'), f'{bound / ms:.1%}'] if ms
-                else ['(profiled with the elementwise ops)', '', ''])
-    labels = {'eager': 'every op its own kernel (eager)', 'fused': 'elementwise fused into its neighbours',
-              'flops': 'FLOPs alone', 'measured': 'measured (profile: self times summed)'}
-    tables = [markdown_table(
-        ['Category', 'GFLOP/image', 'MB/image', 'eager bound (ms/step)', 'fused bound', 'FLOPs alone'] + (
-            ['measured (ms/step)', f'measured / {against} bound', 'share of the bound reached'] if against else []),
-        [[name, f"{c['gflop_per_image']:.3f}", f"{c['mb_per_image']:.2f}", f"{c['eager_ms']:.3f}",
-          f"{c['fused_ms']:.3f}", f"{c['flops_ms']:.3f}"] + (measured(c) if against else [])
-         for name, c in {**result['categories'], 'total': result['total']}.items()]),
-        markdown_table(['Case', 'ms/step', 'img/s', 'MFU'], [
-            [labels[k], f"{c['ms_per_step']:.3f}", f"{c['img_per_s']:,.0f}", f"{c['mfu']:.1%}"]
-            for k, c in cases.items()]), f'The fused case assumes: {FUSED_ASSUMPTIONS}.']
-    if against:
-        total = result['total']['measured_ms']
-        tables.append(markdown_table(['Op / kernel (self time)', 'category', 'calls', 'ms/iter', 'share'], [
-            [f"`{op['name'][:87] + '...' if len(op['name']) >= 90 else op['name']}`", op['category'], op['calls'],
-             f"{op['ms_per_iter']:.3f}", f"{op['ms_per_iter'] / total:.1%}"] for op in result['top_ops'][:25]], left=2))
-    what = (f"{result['preset']} at {result['image_size']}x{result['image_size']}, {result['precision']}, batch "
-            f"{result['batch_size']}, on {target['name']}")
-    png = write_report(bench.out_dir, stem, result, f'The physical limit: {what}', '\n\n'.join(tables), notes=(
-        f"; peaks {target['peak_tflops']:.4g} TFLOP/s, {target['bandwidth_gbs']:,.4g} GB/s; one step of "
-        f"'{result['row']}' counted op by op ({result['ops_counted']} ops, each reading its inputs and writing its "
-        f"outputs at their dtypes)" + (f"; measured: a profile of that step here, mean of {result['active_iterations']}"
-                                       f" steps (trace for ui.perfetto.dev: `{result['trace']}`)" if against else '')))
-    fig, ax = pyplot().subplots(figsize=(11, 0.6 * len(cases) + 2))
-    for i, case in enumerate(cases):
-        widths = [c[f'{case}_ms'] for c in result['categories'].values()]
-        for j, name in enumerate(result['categories']):
-            ax.barh(labels[case], widths[j], left=sum(widths[:j]), color=f'C{j}', label=None if i else name)
-    ax.invert_yaxis()
-    ax.set_xlabel('ms per training step')
-    ax.legend(fontsize=7, loc='upper left', bbox_to_anchor=(1.01, 1))
-    ax.set_title(f"{what}, torch {result['torch']}", fontsize=9)
-    save_figure(fig, png, dpi=110)
-    print('\n\n'.join(tables))
 
 
 # ----------------------------------------------------------------------------- sweeps and data paths

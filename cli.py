@@ -27,9 +27,7 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import sys
-import timeit
 import typing
 from dataclasses import field, fields
 
@@ -276,6 +274,18 @@ def atomic_open(path: str, mode: str = 'w', durable: bool = True, unique: bool =
     """open(path, mode) for writing, through atomic_path: the file appears whole or not at all."""
     with atomic_path(path, durable, unique) as tmp, open(tmp, mode) as f:
         yield f
+
+
+def write_once(path: str, what: str, write) -> str:
+    """PATH, written once by write(tmp) into PATH.tmp-PID and renamed into place: it is whole or
+    absent. Concurrent writers each write their own and share the one renamed first (the others'
+    copies are discarded); a killed writer's copy is removed by the next one."""
+    if not os.path.exists(path):
+        print(f'writing {path} for {what} ...', flush=True)
+        remove_dead_writers(path)
+        with atomic_path(path, durable=False, unique=True) as tmp:
+            write(tmp)
+    return path
 
 
 def claim_folder(folder: str, flag: str, leftovers: tuple = (), set_aside: tuple = ()):
@@ -527,18 +537,6 @@ def peak_tflops(device_name: str, precision: str):
     return GPU_PEAK_TFLOPS[key][precision] if key else None
 
 
-def cpu_peaks(quick: bool, dtype: torch.dtype) -> dict:
-    """This CPU's peaks, measured: a large matmul's TFLOP/s in the step's dtype and a large copy's
-    GB/s (read and written), each the median of repeats after warm-up calls."""
-    n, size, repeats = (512, 2 ** 22, 3) if quick else (2048, 2 ** 25, 15)
-    a, source = torch.randn(n, n, dtype=dtype), torch.randn(size)
-    target = torch.empty_like(source)
-    seconds = [statistics.median(timeit.repeat(work, number=1, repeat=repeats + 3)[3:])  # 3 warm up: clocks, pages
-               for work in (lambda: torch.mm(a, a), lambda: target.copy_(source))]
-    return {'name': f'CPU ({os.cpu_count()} cores, measured peaks)', 'slug': 'cpu',
-            'peak_tflops': 2 * n ** 3 / seconds[0] / 1e12, 'bandwidth_gbs': 2 * source.nbytes / seconds[1] / 1e9}
-
-
 # ----------------------------------------------------------------------------- reports
 
 def git_commit() -> str:
@@ -598,6 +596,24 @@ def save_figure(fig, path: str, dpi: int = 100):
     with atomic_open(path, 'wb') as f:
         fig.savefig(f, format='png', dpi=dpi)
     pyplot().close(fig)
+
+
+def bar_chart(path: str, names: list, values: list, title: str, xlabel: str, colours=None, texts=None,
+              lines: dict = None, log: bool = False):
+    """One horizontal bar per name, top to bottom, with optional text after each bar and vertical
+    reference lines ({label: x})."""
+    fig, ax = pyplot().subplots(figsize=(9, 0.45 * len(names) + 1.5))
+    bars = ax.barh(names[::-1], values[::-1], color=(colours or ['tab:blue'] * len(names))[::-1])
+    for bar, text in zip(bars, (texts or [])[::-1]):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, text, va='center', fontsize=8)
+    for (label, x), style in zip((lines or {}).items(), ('--', ':')):
+        ax.axvline(x, color='tab:red', linestyle=style, label=label)
+    if lines:
+        ax.legend(fontsize=8)
+    ax.set_xscale('log') if log else ax.set_xlim(0, max(values) * 1.35 if values else 1)
+    ax.set(xlabel=xlabel)
+    ax.set_title(title, fontsize=9)
+    save_figure(fig, path, dpi=120)
 
 
 # ----------------------------------------------------------------------------- ranks (torchrun)

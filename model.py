@@ -1,6 +1,6 @@
-"""The DDPM UNet (Ho et al., 2020, appendix B), its presets and FLOP counting (of the network, and
-of a whole training step op by op, FLOPs and bytes, for the roofline): the network and nothing else
-(its files: checkpoint.py for ours, diffusers_io.py for diffusers' folders).
+"""The DDPM UNet (Ho et al., 2020, appendix B), its presets and FLOP counting: the network and
+nothing else (its files: checkpoint.py for ours, diffusers_io.py for diffusers' folders; a whole
+training step counted op by op, FLOPs and bytes: roofline.py).
 
 The network is the paper's (its TF code, diffusion_tf/models/unet.py): a sinusoidal
 timestep embedding and a 2-layer MLP; residual blocks of GroupNorm(eps 1e-6), SiLU, 3x3
@@ -11,17 +11,13 @@ a conv; a skip connection from every down block; TF's variance-scaling initialis
 diffusers' UNet2DModel in the configuration of google/ddpm-cifar10-32 is the same function
 (tests/test_model.py checks it in float64), and diffusers_io.load_diffusers reads its weights.
 """
-import contextlib
 import math
-import re
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode
 
 NORM_EPS = 1e-6  # tf.contrib.layers.group_norm's default, used by the paper's code
 ZERO_INIT_SCALE = 1e-10  # the paper's default_init(scale=0.): variance scaling at 1e-10, not exact zeros
@@ -299,137 +295,3 @@ def count_torchinfo_flops(config: UNetConfig, image_size: int = None) -> dict:
     macs = torchinfo.summary(model, input_data=[x, t], verbose=0).total_mult_adds
     return {'forward': 2 * macs, 'train': 6 * macs,
             'method': 'torchinfo total_mult_adds x 2 (x 3 for training; attention left out)'}
-
-
-# ----------------------------------------------------------------------------- a step op by op
-
-# Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
-# its multi-tensor kernels are also elementwise.
-CATEGORIES = [
-    ('optimizer', r'adam|multi_tensor|foreach|lerp|clip_grad|vector_norm|_amp_'),
-    ('attention', r'flash|fmha|attention|sdpa|softmax|bmm'),
-    ('norm', r'norm|welford'),
-    ('conv / matmul', r'conv|cudnn|implicit|xmma|cutlass|gemm|winograd|dgrad|wgrad|fprop|mm\b|addmm|matmul|sm\d\d_'),
-    ('elementwise', r'elementwise|vectorized|triton_|silu|add|mul|copy|fill|cat|where|index|gather|reduce|'
-                    r'sum|mean|div|sub|pow|exp|clamp|flip|unrolled'),
-]
-
-
-def categorise(name: str) -> str:
-    lowered = name.lower()
-    return next((category for category, pattern in CATEGORIES if re.search(pattern, lowered)), 'other')
-
-
-# The profile's categories as the roofline names them (kernel names cannot tell a linear layer's
-# GEMM from a 1x1 convolution's); 'data' is the loader's gather, flip and conversion.
-ROOFLINE_CATEGORIES = {'conv / matmul': 'convolution and matmul', 'attention': 'attention', 'norm': 'normalisation',
-                       'elementwise': 'elementwise and activation', 'other': 'elementwise and activation',
-                       'optimizer': 'optimizer and EMA', 'data': 'data'}
-
-
-def op_flops(func, args, kwargs, out) -> int:
-    """FlopCounterMode's formula for an op; attention's backward as the four matmuls of its gradient,
-    as FlopCounterMode counts attention written as matmuls (model.count_flops): the flash kernels'
-    recompute of the scores is not the model's work."""
-    name = func.__name__
-    if name.startswith('_scaled_dot_product'):  # the CPU's flash kernels, and CUDA's
-        q, k, v = args[1:4] if 'backward' in name else args[:3]
-        return (2 if 'backward' in name else 1) * sdpa_flop_count(q.shape, k.shape, v.shape)
-    formula = flop_registry.get(func._overloadpacket)
-    return formula(*args, **kwargs, out_val=out) if formula else 0
-
-
-def footprint(t: torch.Tensor) -> int:
-    """Bytes a tensor argument covers: a broadcast (stride-0) dimension once."""
-    return math.prod(s for s, st in zip(t.shape, t.stride()) if st) * t.element_size() if t.numel() else 0
-
-
-class StepCounter(TorchDispatchMode):
-    """Every aten op below autograd, with real shapes and dtypes: its FLOPs (op_flops) and bytes, each
-    tensor read or written once (a view or an allocation moves none, a gather reads what it returns,
-    an in-place op reads and writes its tensor), and its category: 'data' until `phase` is 'step',
-    then the network's by op name (categorise), and after the backward the optimizer's."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops, self.phase, self.backward_seen = [], 'data', False
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace != 'aten':
-            return out
-        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        storages = {t.untyped_storage()._cdata for t in ins}
-        fresh = [t for t in tree_leaves(out) if torch.is_tensor(t) and t.untyped_storage()._cdata not in storages]
-        written = [t for a, v in zip(func._schema.arguments, args) if a.alias_info and a.alias_info.is_write
-                   for t in tree_leaves(v) if torch.is_tensor(t)]
-        reads = fresh + ins[1:] if func.__name__.startswith('index.') else ins  # a gather reads what it returns
-        moved = bool(fresh or written) and not func.__name__.startswith(('empty', 'new_empty'))
-        backward = torch._C._current_graph_task_id() != -1
-        self.backward_seen |= backward
-        category = categorise(str(func)) if self.phase == 'step' else self.phase
-        self.ops.append({'op': str(func), 'flops': op_flops(func, args, kwargs or {}, out),
-                         'bytes': sum(map(footprint, reads + written + fresh)) if moved else 0,
-                         'category': 'optimizer and EMA' if self.backward_seen and not backward
-                         else ROOFLINE_CATEGORIES[category]})
-        return out
-
-
-# Where CUDA's eager step differs from the CPU's: its autocast (ATen's autocast_mode.h) runs these in
-# fp32 (the CPU's: in their input's dtype) and casts no cat or stack input; its dropout is one fused
-# kernel (native_dropout), the CPU's a mask drawn, scaled and multiplied.
-CUDA_FP32_OPS = (torch.ops.aten.group_norm.default, torch.ops.aten.upsample_nearest2d.default,
-                 torch.ops.aten.softmax.int)
-
-
-@contextlib.contextmanager
-def cuda_policy():
-    """The CPU's autocast and dropout made CUDA's (CUDA_FP32_OPS), for a count on CPU fake tensors:
-    a backward on CUDA fake tensors needs a real CUDA context."""
-    def fp32(op):
-        def kernel(*args, **kwargs):  # as CUDA's autocast: half inputs cast, autocast off inside
-            with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)):
-                return op(*[a.float() if torch.is_tensor(a) and a.dtype in (torch.bfloat16, torch.float16) else a
-                            for a in args], **kwargs)
-        return kernel
-
-    def dropout(x, p, train):  # ATen's is_fused_kernel_acceptable, as on CUDA
-        fused = train and 0 < p < 1 and x.numel() > 0
-        return torch.native_dropout(x, p, train)[0] if fused else torch.ops.aten.dropout.default.decompose(x, p, train)
-    with torch.library._scoped_library('aten', 'IMPL') as lib:
-        for op in CUDA_FP32_OPS:
-            lib.impl(op, fp32(op), 'AutocastCPU')
-        for name in ('cat', 'stack'):
-            lib.impl(name, torch.library.fallthrough_kernel, 'AutocastCPU')
-        lib.impl('dropout', dropout, 'AutogradCPU')
-        yield
-
-
-FUSED_AWAY = 'elementwise and activation'
-FUSED_ASSUMPTIONS = ('elementwise and activation ops (SiLU, adds, casts, layout copies, padding, concatenation, '
-                     'upsampling, dropout, the noise and the loss) move no bytes: each is folded into the kernel '
-                     'that produces its input or consumes its output; convolutions, matmuls, attention and GroupNorm '
-                     'read their inputs and write their outputs once, in the dtypes of the eager step; the data '
-                     'path, the optimizer and the EMA are unchanged (train.py runs them outside the compiled graph)')
-
-
-def roofline_bounds(ops: list, batch: int, tflops: float, gbs: float) -> dict:
-    """Per category and in total: GFLOP and MB per image and the bound in ms per step, each op
-    max(FLOPs / peak, bytes / bandwidth), summed: every op its own kernel ('eager'), the elementwise
-    work fused away ('fused': FUSED_ASSUMPTIONS), the FLOPs alone; and the step's ceilings."""
-    rows = {c: dict.fromkeys(('gflop_per_image', 'mb_per_image', 'eager_ms', 'fused_ms', 'flops_ms'), 0.0)
-            for c in dict.fromkeys(ROOFLINE_CATEGORIES.values())}
-    for op in ops:
-        row, ms = rows[op['category']], 1e3 * max(op['flops'] / tflops / 1e12, op['bytes'] / gbs / 1e9)
-        row['gflop_per_image'] += op['flops'] / batch / 1e9
-        row['mb_per_image'] += op['bytes'] / batch / 1e6
-        row['eager_ms'] += ms
-        row['fused_ms'] += 0.0 if op['category'] == FUSED_AWAY else ms
-        row['flops_ms'] += 1e3 * op['flops'] / tflops / 1e12
-    total = {key: sum(row[key] for row in rows.values()) for key in rows[FUSED_AWAY]}
-    return {'categories': rows, 'total': total,
-            'cases': {case: ceiling(total[f'{case}_ms'], batch, total) for case in ('eager', 'fused', 'flops')}}
-
-
-def ceiling(ms: float, batch: int, total: dict) -> dict:
-    return {'ms_per_step': ms, 'img_per_s': 1e3 * batch / ms, 'mfu': total['flops_ms'] / ms}

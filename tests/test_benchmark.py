@@ -16,6 +16,7 @@ import torch
 import benchmark
 import data
 import diffusion
+import roofline
 import train
 from model import PRESETS, get_config
 from helpers import NO_DIFFUSERS
@@ -402,11 +403,12 @@ def test_start_row_of_the_other_modes():
 
 
 def test_categories():
-    assert benchmark.categorise('sm90_xmma_fprop_implicit_gemm_bf16') == 'conv / matmul'
-    assert benchmark.categorise('aten::native_group_norm_backward') == 'norm'
-    assert benchmark.categorise('pytorch_flash::flash_fwd_kernel') == 'attention'
-    assert benchmark.categorise('void at::native::multi_tensor_apply_kernel<FusedAdam>') == 'optimizer'
-    assert benchmark.categorise('triton_poi_fused_add_mul_0') == 'elementwise'
+    assert roofline.categorise('sm90_xmma_fprop_implicit_gemm_bf16') == 'conv / matmul'
+    assert roofline.categorise('aten::native_group_norm_backward') == 'norm'
+    assert roofline.categorise('pytorch_flash::flash_fwd_kernel') == 'attention'
+    assert roofline.categorise('aten::_softmax') == roofline.categorise('cunn_SoftMaxForward<4>') == 'attention'
+    assert roofline.categorise('void at::native::multi_tensor_apply_kernel<FusedAdam>') == 'optimizer'
+    assert roofline.categorise('triton_poi_fused_add_mul_0') == 'elementwise'
 
 
 def test_mfu_uses_the_row_precision_and_overrides():

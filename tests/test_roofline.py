@@ -1,5 +1,5 @@
-"""benchmark.py --roofline: one training step counted op by op on fake tensors and bounded by a
-device's peaks; on the CPU, beside a profile of the same step."""
+"""roofline.py and benchmark.py --roofline: one training step counted op by op on fake tensors and
+bounded by a device's peaks; on the CPU, beside a profile of the same step."""
 import functools
 import json
 
@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import benchmark
+import roofline
 from model import count_flops, count_params, get_config, UNet
 
 H100 = (989.5, 3350)  # dense bf16 TFLOP/s, GB/s
@@ -20,18 +21,18 @@ def counted(preset: str, image_size: int, batch: int, precision: str = 'bf16') -
     bench = benchmark.BenchConfig(preset=preset, image_size=image_size, big_batch=batch, precision=precision)
     _, cfg = benchmark.roofline_step(bench, torch.device('cuda'))
     assert cfg.batch_size == batch and cfg.amp == {'fp32': 'off'}.get(precision, 'bf16') and cfg.fused_adam
-    return tuple(benchmark.count_step(cfg))
+    return tuple(roofline.count_step(cfg))
 
 
 def bounds(preset, image_size, batch, precision='bf16'):
-    return benchmark.roofline_bounds(list(counted(preset, image_size, batch, precision)), batch, *H100)
+    return roofline.bounds(list(counted(preset, image_size, batch, precision)), batch, *H100)
 
 
 def single_ops(work) -> dict:
     """op name -> (FLOPs, bytes) of what `work(fake tensors)` runs."""
     with FakeTensorMode():
         inputs = work(None)
-        with benchmark.StepCounter() as counter:
+        with roofline.StepCounter() as counter:
             work(inputs)
     return {op['op']: (op['flops'], op['bytes']) for op in counter.ops}
 
@@ -65,6 +66,7 @@ def test_bytes_of_single_ops_are_the_tensors_they_read_and_write(dtype):
         x.view(n, -1).t()  # views: no bytes
         x.add_(1.0)  # in place: read and written
         x[index]  # a gather reads the two images it returns, not the batch
+        x.mul(affine[:1].expand(w))  # a broadcast (stride-0) input read once: one element
     ops = single_ops(work)
     image = c * h * w
     assert ops['aten.convolution.default'] == (2 * n * out_c * h * w * c * 9,
@@ -75,6 +77,7 @@ def test_bytes_of_single_ops_are_the_tensors_they_read_and_write(dtype):
     assert ops['aten.view.default'] == ops['aten.t.default'] == (0, 0)
     assert ops['aten.add_.Tensor'] == (0, 2 * n * image * size)
     assert ops['aten.index.Tensor'] == (0, 2 * 2 * image * size + 2 * 8)
+    assert ops['aten.mul.Tensor'] == (0, (2 * n * image + 1) * size)
 
 
 def test_a_large_matmul_is_bound_by_compute_and_an_elementwise_op_by_bandwidth():
@@ -88,7 +91,7 @@ def test_a_large_matmul_is_bound_by_compute_and_an_elementwise_op_by_bandwidth()
         a + b
     ops = [{'op': name, 'flops': flops, 'bytes': nbytes, 'category': category} for (name, (flops, nbytes)), category
            in zip(single_ops(work).items(), ('convolution and matmul', 'elementwise and activation'))]
-    categories = benchmark.roofline_bounds(ops, 1, *H100)['categories']
+    categories = roofline.bounds(ops, 1, *H100)['categories']
     matmul, add = categories['convolution and matmul'], categories['elementwise and activation']
     assert ops[0]['op'] == 'aten.mm.default' and ops[0]['flops'] == 2 * k ** 3
     assert matmul['eager_ms'] == matmul['flops_ms'] == pytest.approx(2 * k ** 3 / 989.5e12 * 1e3)  # 1.1 ms
