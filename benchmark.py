@@ -22,7 +22,6 @@ as waiting for data, are counted). Compilation is timed separately and kept out 
 import dataclasses
 import functools
 import os
-import re
 import statistics
 import sys
 import time
@@ -34,13 +33,15 @@ from tqdm import tqdm
 
 import data
 import diffusion
+import roofline
 import sample
 import train
-import roofline
-from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_ranges, check_writable,
-                 flag, format_or_na, gpu_peak_key, markdown_table, parse_config, peak_tflops, pick_device, precision_of,
-                 provenance, pyplot, refused_as, run_main, save_figure, synchronize, write_once, write_report)
-from diffusers_io import RECIPE, DiffusersUNet, recipe_batches, recipe_loader, recipe_parts, recipe_step
+from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_ranges,
+                 check_writable, device_name, device_slug, flag, format_or_na, markdown_table, parse_config,
+                 peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize, write_once,
+                 write_report)
+from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
+                          recipe_step, write_image_folder)
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
 
 
@@ -176,14 +177,16 @@ def start_row(bench: BenchConfig, device: torch.device) -> Row:
 def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
     """The defaults that depend on the device (the paper's model, 50 timed iterations, sampling
     batches of 1000 on a GPU; tiny, 10 and 64 on a CPU, where a step of the paper's model takes
-    seconds), then --quick's cuts; TF32 as --tf32 says."""
+    seconds; the compile backend), then --quick's cuts; TF32 as --tf32 says."""
     cuda = device.type == 'cuda'
     default = (lambda on_gpu, on_cpu: on_gpu if cuda else on_cpu)  # noqa: E731
     bench = dataclasses.replace(
         bench, preset=bench.preset or default('ddpm-cifar10', 'tiny'), iters=bench.iters or default(50, 10),
         warmup=default(10, 3) if bench.warmup is None else bench.warmup,
         precision=bench.precision or ('fp32' if bench.profile and not cuda else 'bf16'),  # a CPU's own step: fp32
-        sample_batch=bench.sample_batch or default(1000, 64))
+        sample_batch=bench.sample_batch or default(1000, 64), compile_backend=(
+            bench.compile_backend if bench.compile_backend != 'auto' else 'eager' if bench.quick and not cuda
+            else 'inductor'))
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bench.tf32
     if bench.quick:
         bench = dataclasses.replace(bench, warmup=0, iters=min(bench.iters, 2), batch_size=min(bench.batch_size, 4),
@@ -228,12 +231,11 @@ def time_iterations(iterate: typing.Callable, device: torch.device, bench: Bench
     """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up,
     with a progress bar (on stderr; it never waits for the device). iterate(step) runs one training
     iteration, data included, and leaves its loss on the device."""
-    bar = tqdm(total=1 + bench.warmup + bench.iters, desc=f'  {name[:60]}', leave=False)
+    bar = tqdm(total=bench.warmup + bench.iters, desc=f'  {name[:60]}', leave=False)  # after the first iteration
     start = time.perf_counter()
     iterate(0)
     synchronize(device)
     compile_s = time.perf_counter() - start
-    bar.set_description(f'  {name[:40]}')
     for step in range(1, bench.warmup + 1):
         iterate(step)
         bar.update()
@@ -259,20 +261,13 @@ def release(device: torch.device):
         torch.cuda.empty_cache()
 
 
-def compile_backend(bench: BenchConfig, device: torch.device) -> str:
-    if bench.compile_backend == 'auto':
-        return 'eager' if bench.quick and device.type == 'cpu' else 'inductor'
-    return bench.compile_backend
-
-
 def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None,
                   compile_scope: str = 'loss') -> train.Run:
     """train.py's run of a row; compile_scope 'model' compiles the network alone (the loss
     around it runs eagerly), 'loss' the whole loss as train.py does."""
     run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)
     if row_cfg.compile:  # torch.compile is lazy: replacing the loss before its first call costs nothing
-        backend = compile_backend(bench, device)
-        options = {} if backend == 'inductor' else {'backend': backend}
+        options = {} if bench.compile_backend == 'inductor' else {'backend': bench.compile_backend}
         if compile_scope == 'model':
             mode = None if row_cfg.compile_mode == 'default' or options else row_cfg.compile_mode
             net = torch.compile(run.model, mode=mode, **options)
@@ -316,8 +311,8 @@ def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_mode
         stream = train.batches(run, 0)
         result = throughput(time_iterations(lambda step: train.train_step(run, next(stream), step), device, bench,
                                             row.name), row_cfg, bench, device, flops)
-        if row_cfg.compile and compile_backend(bench, device) != 'inductor':
-            result['note'] = f'torch.compile with backend={compile_backend(bench, device)}'
+        if row_cfg.compile and bench.compile_backend != 'inductor':
+            result['note'] = f'torch.compile with backend={bench.compile_backend}'
         return result
     return measured_or_failed(entry, device, measure)
 
@@ -401,30 +396,16 @@ def beside_ours(result: dict, best: Row, best_result: dict, bench, device, datas
     return result
 
 
-def diffusers_missing_reason() -> str | None:
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
-        return 'diffusers is not installed (pip install diffusers)'
-    return None
-
-
 def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
-    """The benchmark's images as PNG files (FOLDER/images/NNNNNN.png, the layout ImageFolder reads):
-    what diffusers' example trains from."""
-    def write(tmp):
-        from torchvision.io import write_png
-        os.makedirs(os.path.join(tmp, 'images'))
-        for index in range(len(dataset)):
-            write_png(dataset[index], os.path.join(tmp, 'images', f'{index:06d}.png'))
-    return written_once(bench, dataset_name, dataset, '-png', 'the diffusers recipe row', write)
+    """The benchmark's images as PNG files, what diffusers' example trains from."""
+    return written_once(bench, dataset_name, dataset, '-png', 'the diffusers recipe row',
+                        functools.partial(write_image_folder, dataset))
 
 
 def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
     """The benchmark's images as a raw-RGB .beton, for the FFCV rows."""
-    def write(tmp):
-        data.write_beton(dataset, tmp, num_workers=bench.num_workers or 1)
-    return data.BetonDataset(written_once(bench, dataset_name, dataset, '.beton', 'the FFCV rows', write))
+    return data.BetonDataset(written_once(bench, dataset_name, dataset, '.beton', 'the FFCV rows', lambda tmp: (
+        data.write_beton(dataset, tmp, num_workers=bench.num_workers or 1))))
 
 
 def written_once(bench: BenchConfig, dataset_name: str, dataset, suffix: str, what: str, write) -> str:
@@ -434,17 +415,6 @@ def written_once(bench: BenchConfig, dataset_name: str, dataset, suffix: str, wh
 
 
 # ----------------------------------------------------------------------------- outputs
-
-def device_slug(device: torch.device) -> str:
-    if device.type != 'cuda':
-        return 'cpu'
-    name = torch.cuda.get_device_name(device)
-    return re.sub(r'[^a-z0-9]+', '-', (gpu_peak_key(name) or name).lower()).strip('-')
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({os.cpu_count()} cores)'
-
 
 def header(bench: BenchConfig, device: torch.device, flops: dict, dataset_name: str) -> dict:
     return {**provenance(device_name(device)), 'cuda': torch.version.cuda if device.type == 'cuda' else None,
@@ -551,7 +521,7 @@ def load_data(bench: BenchConfig):
 
 def selected_rows(bench: BenchConfig, device: torch.device) -> list:
     wanted = [w.strip().lower() for w in bench.rows.split(',') if w.strip()]
-    return [r for r in ladder(bench, device) if not wanted or any(w in r.name.lower() for w in wanted)]
+    return [r for r in ladder(bench, device) if not bench.rows or any(w in r.name.lower() for w in wanted)]
 
 
 def run_ladder(bench: BenchConfig) -> dict:
@@ -603,8 +573,7 @@ def sampling_model(bench: BenchConfig, device: torch.device):
         model = model.to(memory_format=torch.channels_last)
         return (torch.compile(model, mode=bench.sample_compile_mode), 'bf16',
                 f'compile {bench.sample_compile_mode}, channels-last')
-    return (model, 'fp32', 'eager (--quick on CPU)') if bench.quick else (torch.compile(model), 'fp32',
-                                                                           'compile default')
+    return (model, 'fp32', 'eager (--quick)') if bench.quick else (torch.compile(model), 'fp32', 'compile default')
 
 
 def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typing.Iterator[dict]:
@@ -756,9 +725,9 @@ def profile_rows(prof, device: torch.device, active: int) -> list:
     return sorted(rows, key=lambda r: -r['self_us'])
 
 
-def profile_steps(run: train.Run, quick: bool) -> tuple:
+def profile_steps(run: train.Run, quick: bool, trace: str) -> tuple:
     """(torch.profiler over train.py's steps, data included, after 3 that compile and warm up; the
-    number of steps it profiled)."""
+    number of steps it profiled); its trace written to TRACE (Chrome/Perfetto JSON)."""
     stream, active = train.batches(run, 0), 3 if quick else 10
     for step in range(3):  # compile and warm up outside the profile
         train.train_step(run, next(stream), step)
@@ -771,6 +740,8 @@ def profile_steps(run: train.Run, quick: bool) -> tuple:
             train.train_step(run, next(stream), step)
             prof.step()
         synchronize(run.device)
+    os.makedirs(os.path.dirname(trace), exist_ok=True)
+    prof.export_chrome_trace(trace)
     return prof, active
 
 
@@ -828,11 +799,9 @@ def run_roofline(bench: BenchConfig) -> dict:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
         channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
         images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size)[:, :channels])
-        prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
-                                     bench.quick)
         trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
-        os.makedirs(os.path.dirname(trace), exist_ok=True)
-        prof.export_chrome_trace(trace)
+        prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
+                                     bench.quick, trace)
         ops = profile_rows(prof, device, active)
         result['cases']['measured'] = roofline.add_measured(bounds, ops, cfg.batch_size)
         result.update(measured_against='fused' if row.compile else 'eager', trace=trace, active_iterations=active,
@@ -872,18 +841,10 @@ def run_sweep(bench: BenchConfig) -> dict:
                        {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
                        f"Sweep of {bench.sweep} around '{best.name}': {bench.preset} on {meta['device']}", table)
     measured = [r for r in results if 'img_per_s' in r]
-    fig, ax = pyplot().subplots(figsize=(7, 4))
-    labels = [str(r['batch_size']) if bench.sweep == 'batch' else r['name'] for r in measured]
-    ax.plot(labels, [r['img_per_s'] for r in measured], 'o-', color='tab:blue')
-    ax.set_ylabel('training img/s', color='tab:blue')
-    ax.set_xlabel('batch size' if bench.sweep == 'batch' else bench.sweep)
-    if any(r.get('mfu') for r in measured):
-        twin = ax.twinx()
-        twin.plot(labels, [100 * (r['mfu'] or 0) for r in measured], 's--', color='tab:orange')
-        twin.set_ylabel('MFU (%)', color='tab:orange')
-    ax.tick_params(axis='x', labelrotation=20, labelsize=8)
-    ax.set_title(f"{bench.preset}: sweep of {bench.sweep}, {meta['device']}, torch {meta['torch']}", fontsize=9)
-    save_figure(fig, png, dpi=110)
+    bar_chart(png, [r['name'] for r in measured], [r['img_per_s'] for r in measured],
+              f"{bench.preset}: sweep of {bench.sweep}, {meta['device']}, torch {meta['torch']}",
+              'training images per second (higher is better)', texts=[
+                  f" {r['img_per_s']:,.0f} img/s, MFU {format_or_na(r['mfu'], '.1%')}" for r in measured])
     print(table)
     return {**meta, 'rows': results}
 
@@ -954,11 +915,9 @@ def validate(bench: BenchConfig) -> BenchConfig:
         raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
     with refused_as(f'--image-size {asked_size}'):
         model_config(dataclasses.replace(bench, image_size=asked_size))
-    if bench.rows:
-        names = [row.name for row in ladder(bench, device)]
-        wanted = [w.strip().lower() for w in bench.rows.split(',')]
-        if not any(w and w in name.lower() for w in wanted for name in names):
-            raise ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: {'; '.join(names)}")
+    if bench.rows and not selected_rows(bench, device):
+        raise ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: "
+                          f"{'; '.join(row.name for row in ladder(bench, device))}")
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
     if bench.roofline:

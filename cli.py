@@ -24,6 +24,7 @@ import glob
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import socket
@@ -521,6 +522,18 @@ def gpu_peak_key(device_name: str):
         if key.replace('RTX ', '') in name:
             return key
     return None
+
+
+def device_slug(device: torch.device) -> str:
+    """'cpu', or the GPU's data-sheet name as a file name ('h100-sxm'): the reports' stems."""
+    if device.type != 'cuda':
+        return 'cpu'
+    name = torch.cuda.get_device_name(device)
+    return re.sub(r'[^a-z0-9]+', '-', (gpu_peak_key(name) or name).lower()).strip('-')
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({os.cpu_count()} cores)'
 
 
 def precision_of(amp: str, device: torch.device) -> str:

@@ -434,3 +434,19 @@ def recipe_batches(loader):
     while True:  # the example's epoch loop: each epoch starts the loader's workers anew
         for images, _ in loader:
             yield images
+
+
+def diffusers_missing_reason() -> str | None:
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        return 'diffusers is not installed (pip install diffusers)'
+    return None
+
+
+def write_image_folder(dataset, folder: str):
+    """The images as FOLDER/images/NNNNNN.png: the layout recipe_loader (ImageFolder) reads."""
+    from torchvision.io import write_png
+    os.makedirs(os.path.join(folder, 'images'))
+    for index in range(len(dataset)):
+        write_png(dataset[index], os.path.join(folder, 'images', f'{index:06d}.png'))

@@ -88,7 +88,8 @@ def summarise(curves: dict) -> dict:
         stderr = math.sqrt(sum((sd(v) or 0) ** 2 / len(v) for v in (finals[name], finals[paper])))
         difference = statistics.mean(finals[name]) - targets['final']
         setting = {'final_mean': statistics.mean(finals[name]), 'final_sd': sd(finals[name]), 'finals': finals[name],
-                   'final_difference': difference, 'exceeds_seed_noise': abs(difference) > 2 * stderr if stderr else None}
+                   'final_difference': difference,
+                   'exceeds_seed_noise': abs(difference) > 2 * stderr if stderr else None}
         for key, target in targets.items():
             reach = [images_to_reach(c, target) for c in runs]
             paper_reach = [images_to_reach(c, target) for c in curves[paper]]

@@ -335,8 +335,9 @@ def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
     monkeypatch.setattr(torch, 'compile', lambda function, **options: calls.append((function, options)) or function)
     dataset = data.ImageTensorDataset(data.make_shapes(64, 16))
     for backend, expected in (('auto', {'backend': 'eager'}), ('inductor', {})):
-        bench = benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16, batch_size=4,
-                                      big_batch=8, compile_backend=backend, num_workers=0)
+        bench = benchmark.resolve(benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16,
+                                                        batch_size=4, big_batch=8, compile_backend=backend,
+                                                        num_workers=0), cpu)
         network_row, loss_row = [r for r in benchmark.ladder(bench, cpu) if r.compile][:2]
         assert (network_row.compile_scope, loss_row.compile_scope) == ('model', 'loss')
         for row in (network_row, loss_row):
@@ -458,7 +459,8 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
 
 
 @pytest.mark.parametrize('args, expected', [
-    ([], 'usage: bash scripts/measure_gpu.sh headline|profile|'), (['headline'], 'usage:'), (['bogus', 'OUT'], 'usage:'),
+    ([], 'usage: bash scripts/measure_gpu.sh headline|profile|'), (['headline'], 'usage:'),
+    (['bogus', 'OUT'], 'usage:'),
     (['headline', 'OUT', '--fast'], 'usage:'), (['headline', 'OUT', '--quick', 'extra'], 'usage:'),
     (['headline', '', '--quick'], 'must be a folder'), (['headline', 'FILE', '--quick'], 'must be a folder')])
 def test_measure_script_refuses_bad_calls_in_one_line_and_writes_nothing(tmp_path, root, args, expected):
