@@ -36,10 +36,10 @@ import diffusion
 import roofline
 import sample
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_ranges,
-                 check_writable, device_name, device_slug, flag, format_or_na, markdown_table, parse_config,
-                 peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize, write_once,
-                 write_report)
+from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_plain_name,
+                 check_ranges, check_writable, device_name, device_slug, flag, format_or_na, markdown_table,
+                 parse_config, peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize,
+                 write_once, write_report)
 from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
                           recipe_step, write_image_folder)
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
@@ -922,8 +922,8 @@ def validate(bench: BenchConfig) -> BenchConfig:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
     if bench.roofline:
         roofline_target(bench, device)
-    if bench.stem and (os.path.basename(bench.stem) != bench.stem or bench.stem in ('.', '..')):
-        raise ConfigError(f'--stem {bench.stem!r}: a plain file name (no folders); --out-dir sets where it goes')
+    if bench.stem:
+        check_plain_name(bench.stem, '--stem')
     try:
         values = [int(v) for v in bench.sweep_values.split(',') if v.strip()]
     except ValueError:

@@ -79,6 +79,12 @@ def check_ranges(config):
             raise ConfigError(f'{flag_name(f.name)} must be {range_text(bounds)}, got {value}')
 
 
+def check_plain_name(value: str, flag: str):
+    """A file name without folders: where it goes is another flag's (--out-dir)."""
+    if os.path.basename(value) != value or value in ('', '.', '..'):
+        raise ConfigError(f'{flag} {value!r}: a plain file name (no folders); --out-dir sets where it goes')
+
+
 @contextlib.contextmanager
 def refused_as(what: str):
     """A ValueError inside (a library's refusal of a value) as a ConfigError line starting with

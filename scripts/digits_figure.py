@@ -3,9 +3,9 @@ from seed 0) beside 64 real held-out digits, enlarged without smoothing so that 
 
     python scripts/digits_figure.py --ckpt runs/ckpt.pt --out ddpm_samples/readme_digits.png
 """
-import argparse
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -15,21 +15,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import ConfigError, atomic_open, run_main  # noqa: E402
+from cli import ConfigError, atomic_open, check_ranges, flag, parse_config, run_main  # noqa: E402
+
+
+@dataclass
+class FigureConfig:
+    ckpt: str = flag('', 'a checkpoint of a digits run (required)')
+    out: str = flag('ddpm_samples/readme_digits.png', 'the PNG to write')
+    scale: int = flag(4, 'pixels per image pixel', at_least=1)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--ckpt', required=True, help='a checkpoint of a digits run')
-    parser.add_argument('--out', default='ddpm_samples/readme_digits.png', help='the PNG to write')
-    parser.add_argument('--scale', type=int, default=4, help='pixels per image pixel (default 4)')
-    args = parser.parse_args(argv)
-    if args.scale < 1:
-        parser.error('--scale must be at least 1')
-    return run_main(draw_figure, args)
+    return run_main(draw_figure, parse_config(argv, FigureConfig, __doc__))
 
 
-def draw_figure(args):
+def draw_figure(args: FigureConfig):
+    check_ranges(args)
+    if not args.ckpt:
+        raise ConfigError('--ckpt is required: a checkpoint of a digits run')
     model, config, sched, prediction = sample.load_model(args.ckpt, 'ema', torch.device('cpu'))
     if config.in_channels != 1:
         raise ConfigError(f'--ckpt {args.ckpt}: a model of {config.in_channels}-channel images; the figure sets a '

@@ -4,9 +4,9 @@ each the size of the held-out split; written to OUT_DIR/digits-score-SIZE.{json,
 
     python scripts/digits_score.py [--image-size 16] [--data-dir ./data] [--out-dir results]
 """
-import argparse
 import os
 import sys
+from dataclasses import asdict, dataclass
 
 import torch
 from torchvision.transforms.functional import gaussian_blur
@@ -14,7 +14,15 @@ from torchvision.transforms.functional import gaussian_blur
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import sample  # noqa: E402
-from cli import check_writable, markdown_table, provenance, run_main, write_report  # noqa: E402
+from cli import (check_ranges, check_writable, flag, markdown_table, parse_config, provenance, run_main,  # noqa: E402
+                 write_report)
+
+
+@dataclass
+class ScoreCheckConfig:
+    image_size: int = flag(16, 'resolution of the digits', at_least=4)
+    data_dir: str = flag('./data', 'where the classifier is cached')
+    out_dir: str = flag('results', 'where the JSON and Markdown go')
 
 
 def damaged_sets(size: int) -> list:
@@ -39,24 +47,18 @@ def damaged_sets(size: int) -> list:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--image-size', type=int, default=16, help='resolution of the digits (default: 16)')
-    parser.add_argument('--data-dir', default='./data', help='where the classifier is cached (default: ./data)')
-    parser.add_argument('--out-dir', default='results', help='where the JSON and Markdown go (default: results)')
-    args = parser.parse_args(argv)
-    if args.image_size < 4:
-        parser.error('--image-size must be at least 4')
-    return run_main(check_the_score, args)
+    return run_main(check_the_score, parse_config(argv, ScoreCheckConfig, __doc__))
 
 
-def check_the_score(args):
+def check_the_score(args: ScoreCheckConfig):
+    check_ranges(args)
     check_writable(args.out_dir, '--out-dir')
     judge = sample.DigitsJudge(args.image_size, args.data_dir)
     rows = []
     for name, images in damaged_sets(args.image_size):
         rows.append({'set': name, **judge.score(judge.features(images))})
         print(f"{name}: FD {rows[-1]['digits_fd']:.2f}", flush=True)
-    result = {**provenance(f'CPU ({os.cpu_count()} cores)'), 'image_size': args.image_size,
+    result = {**provenance(f'CPU ({os.cpu_count()} cores)'), 'config': asdict(args), 'image_size': args.image_size,
               'classifier_accuracy': judge.accuracy, 'rows': rows}
     table = markdown_table(['Set', 'N', 'FD', 'KID', 'KID std', 'confident', 'label entropy (bits)'], [
         [r['set'], r['digits_samples'], f"{r['digits_fd']:.2f}", f"{r['digits_kid']:.1f}", f"{r['digits_kid_std']:.1f}",

@@ -11,17 +11,34 @@ whether the final scores differ by more than the seeds do.
 Runs go to RUNS_DIR/<setting>-seed<k>/; a finished run is not trained again, so a stopped study
 continues where it stopped. The report: OUT_DIR/STEM.{json,md,png}.
 """
-import argparse
 import json
 import math
 import os
 import statistics
 import sys
+from dataclasses import asdict, dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import (ConfigError, atomic_open, format_or_na, markdown_table, provenance, pyplot, run_main,  # noqa: E402
-                 save_figure, write_report)
+from cli import (ConfigError, atomic_open, check_plain_name, check_ranges, flag, format_or_na,  # noqa: E402
+                 markdown_table, parse_config, provenance, pyplot, run_main, save_figure, write_report)
+
+
+@dataclass
+class StudyConfig:
+    images: int = flag(120_000, 'training images per run', at_least=1)
+    eval_every: int = flag(15_000, 'images between scores', at_least=1)
+    seeds: int = flag(3, 'seeds per setting', at_least=1)
+    eval_samples: int = flag(450, 'samples per score (450: the size of the held-out digits that set its floor)',
+                             at_least=2)
+    batch_size: int = flag(32, 'batch size', at_least=1)
+    image_size: int = flag(16, 'digit resolution', at_least=4)
+    runs_dir: str = flag('runs/prediction-study', 'where the runs go')
+    data_dir: str = flag('./data', 'where the digit classifier is cached')
+    out_dir: str = flag('results', 'where the report goes')
+    stem: str = flag('cpu-digits-prediction-study', 'report file name stem')
+    workers: int = flag(1, 'runs trained at once, each in its own process (set OMP_NUM_THREADS=1 then)', at_least=1)
+
 
 SETTINGS = {  # name -> train.py flags
     'paper (eps, uniform)': [],
@@ -149,31 +166,16 @@ def report(curves: dict, summary: dict, args):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--images', type=int, default=120_000, help='training images per run (default 120000)')
-    parser.add_argument('--eval-every', type=int, default=15_000, help='images between scores (default 15000)')
-    parser.add_argument('--seeds', type=int, default=3, help='seeds per setting (default 3)')
-    parser.add_argument('--eval-samples', type=int, default=450, help='samples per score (default 450, the size of '
-                                                                         'the held-out digits that set its floor)')
-    parser.add_argument('--batch-size', type=int, default=32, help='batch size (default 32)')
-    parser.add_argument('--image-size', type=int, default=16, help='digit resolution (default 16)')
-    parser.add_argument('--runs-dir', default='runs/prediction-study', help='where the runs go')
-    parser.add_argument('--data-dir', default='./data', help='where the digit classifier is cached')
-    parser.add_argument('--out-dir', default='results', help='where the report goes')
-    parser.add_argument('--stem', default='cpu-digits-prediction-study', help='report file name stem')
-    parser.add_argument('--workers', type=int, default=1, help='runs trained at once, each in its own process (set '
-                                                               'OMP_NUM_THREADS=1 then; default 1)')
-    args = parser.parse_args(argv)
-    if min(args.eval_every, args.batch_size, args.seeds, args.workers, args.eval_samples - 1) < 1:
-        parser.error('--eval-every, --batch-size, --seeds and --workers must be at least 1, --eval-samples at least 2')
-    if args.images < max(args.eval_every, args.batch_size):
-        parser.error('--images must be at least --eval-every and --batch-size')
-    return run_main(study, args)
+    return run_main(study, parse_config(argv, StudyConfig, __doc__))
 
 
-def study(args):
+def study(args: StudyConfig):
     """Every run (reused where its folder holds it: the runs folder records what decides them, and
     a study of other settings into it is refused), then the report."""
+    check_ranges(args)
+    check_plain_name(args.stem, '--stem')
+    if args.images < max(args.eval_every, args.batch_size):
+        raise ConfigError('--images must be at least --eval-every and --batch-size')
     decides = {k: getattr(args, k) for k in ('images', 'eval_every', 'eval_samples', 'batch_size', 'image_size')}
     manifest = os.path.join(args.runs_dir, 'study.json')
     if os.path.isfile(manifest):
@@ -192,7 +194,8 @@ def study(args):
     else:
         done = [run_once(*job) for job in jobs]
     curves = {name: [curve for (job_name, _, _), curve in zip(jobs, done) if job_name == name] for name in SETTINGS}
-    report(curves, {**provenance(f'CPU ({os.cpu_count()} cores)'), **summarise(curves)}, args)
+    report(curves, {**provenance(f'CPU ({os.cpu_count()} cores)'), 'config': asdict(args), **summarise(curves)},
+           args)
 
 
 if __name__ == '__main__':

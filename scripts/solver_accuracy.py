@@ -9,17 +9,29 @@ every timestep). With --ckpt, the same distance for a trained model's images, in
     python scripts/solver_accuracy.py --ckpt runs/ckpt.pt --out-dir results --stem cpu-tiny-digits-solver-accuracy
     python scripts/solver_accuracy.py --quick --out-dir /tmp/acc          # the wiring: 5 and 20 calls
 """
-import argparse
 import os
 import sys
+from dataclasses import asdict, dataclass
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import (check_writable, format_or_na, markdown_table, pick_device, provenance, pyplot,  # noqa: E402
-                 run_main, save_figure, write_report)
+from cli import (check_plain_name, check_ranges, check_writable, flag, format_or_na, markdown_table,  # noqa: E402
+                 parse_config, pick_device, provenance, pyplot, run_main, save_figure, write_report)
+
+
+@dataclass
+class AccuracyConfig:
+    ckpt: str = flag('', 'a trained checkpoint (or diffusers folder) to measure too')
+    sample_batch: int = flag(64, "the trained model's images", at_least=1)
+    quick: bool = flag(False, '5 and 20 calls, 1000 mixture samples: the wiring')
+    device: str = flag('cpu', 'where the trained model runs')
+    seed: int = flag(0, 'seed of the noise', at_least=0, at_most=2 ** 32 - 1)
+    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    stem: str = flag('solver-accuracy', 'output file name stem, a plain name (--out-dir says where)')
+
 
 CALLS = (5, 10, 20, 50, 100, 1000)
 SAMPLERS = ('ddim', 'ddim-clip-x0', 'ddpm', 'dpm++-time', 'dpm++-logsnr')
@@ -127,21 +139,12 @@ def checkpoint_rows(loaded: tuple, path: str, calls: tuple, batch: int, seed: in
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument('--ckpt', default='', help='a trained checkpoint (or diffusers folder) to measure too')
-    parser.add_argument('--sample-batch', type=int, default=64, help="the trained model's images (default 64)")
-    parser.add_argument('--quick', action='store_true', help='5 and 20 calls, 1000 mixture samples: the wiring')
-    parser.add_argument('--device', default='cpu', help='where the trained model runs (default cpu)')
-    parser.add_argument('--seed', type=int, default=0, help='seed of the noise (default 0)')
-    parser.add_argument('--out-dir', default='results', help='where the JSON, Markdown and PNG go')
-    parser.add_argument('--stem', default='solver-accuracy', help='output file name stem')
-    args = parser.parse_args(argv)
-    if args.sample_batch < 1 or os.path.basename(args.stem) != args.stem or args.stem in ('', '.', '..'):
-        parser.error('--sample-batch must be at least 1, and --stem a plain file name (--out-dir says where)')
-    return run_main(study, args)
+    return run_main(study, parse_config(argv, AccuracyConfig, __doc__))
 
 
-def study(args):
+def study(args: AccuracyConfig):
+    check_ranges(args)
+    check_plain_name(args.stem, '--stem')
     calls, n = ((5, 20), 1000) if args.quick else (CALLS, 20000)
     device = pick_device(args.device)
     checked = sample.load_model(args.ckpt, 'ema', device) if args.ckpt else None  # a bad --ckpt fails first
@@ -149,7 +152,8 @@ def study(args):
     rows, floor = mixture_rows(calls, n, args.seed)
     if checked:
         rows += checkpoint_rows(checked, args.ckpt, calls, args.sample_batch, args.seed, device)
-    result = {**provenance('CPU' if args.device == 'cpu' else args.device), 'samples': n, 'rows': rows,
+    result = {**provenance('CPU' if args.device == 'cpu' else args.device), 'config': asdict(args), 'samples': n,
+              'rows': rows,
               'floor': {'sliced_w1': floor}}
     table = markdown_table(
         ['Data', 'Sampler', 'Model calls', 'mean error', 'covariance error', 'sliced W1', 'RMS to the ODE solution',

@@ -1,5 +1,5 @@
-"""Shared test helpers: small on-disk data sets, a quick train.py invocation and a stand-in
-for the Inception network."""
+"""Shared test helpers: small on-disk data sets, a quick train.py invocation, a stand-in for the
+Inception network and the exit code and message of a refused command."""
 import os
 import pickle
 
@@ -57,3 +57,14 @@ def stand_in_extractor(images: torch.Tensor) -> torch.Tensor:
     """A fixed, linear feature map (per-channel means and a few pixels): no download needed."""
     x = images.double() / 255
     return torch.cat([x.mean(dim=(2, 3)), x[:, :, 0, :4].flatten(1)], dim=1)
+
+
+def refusal(capsys, call, *args) -> tuple:
+    """(exit code, stderr) of call(*args) run as a script: an argparse error exits (SystemExit), ours
+    return their code."""
+    try:
+        code = call(*args)
+    except SystemExit as exit:
+        code = exit.code
+    return code, capsys.readouterr().err.strip()
+

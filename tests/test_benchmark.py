@@ -19,7 +19,7 @@ import diffusion
 import roofline
 import train
 from model import PRESETS, get_config
-from helpers import NO_DIFFUSERS
+from helpers import NO_DIFFUSERS, refusal
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
@@ -449,11 +449,7 @@ def test_mfu_uses_the_row_precision_and_overrides():
 def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expected):
     args = ['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path / 'out'),
             '--data-dir', str(tmp_path / 'data'), *extra]
-    try:
-        code = benchmark.cli(args)
-    except SystemExit as exit:
-        code = exit.code
-    err = capsys.readouterr().err.strip()
+    code, err = refusal(capsys, benchmark.cli, args)
     assert code == 2 and expected in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / 'out').exists() or not list((tmp_path / 'out').iterdir())
 

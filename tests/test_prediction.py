@@ -8,6 +8,7 @@ import torch
 
 from diffusion import (eps_and_x0, loss_weight_table, make_schedule, q_sample, training_loss, vlb_bits_per_dim,
                        vlb_bits_per_dim_mc)
+from helpers import refusal
 
 
 def _abar(T=1000):
@@ -230,11 +231,7 @@ def test_the_heldout_loss_is_the_eps_mse_for_either_prediction():
     (['--prediction', 'x0'], 'invalid choice'),
 ])
 def test_bad_prediction_flags_are_one_line(tmp_path, capsys, extra, expected):
-    try:
-        code = _train(tmp_path, '--steps', '1', *extra)
-    except SystemExit as exit:
-        code = exit.code
-    err = capsys.readouterr().err.strip()
+    code, err = refusal(capsys, _train, tmp_path, '--steps', '1', *extra)
     assert code == 2 and expected in err and err.count('\n') == 0, err
 
 

@@ -11,7 +11,7 @@ import data
 import diffusion
 import sample
 import train
-from helpers import NO_DIFFUSERS, stand_in_extractor, train_args
+from helpers import NO_DIFFUSERS, refusal, stand_in_extractor, train_args
 from model import UNet, UNetConfig
 
 
@@ -210,11 +210,8 @@ def test_diffusers_folder_errors(tmp_path, capsys):
     (['--sampler', 'euler'], 'invalid choice'),
 ])
 def test_bad_flags_fail_before_sampling(ckpt, tmp_path, capsys, extra, expected):
-    try:
-        code = sample.cli(['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'out'), *extra])
-    except SystemExit as exit:
-        code = exit.code
-    err = capsys.readouterr().err.strip()
+    code, err = refusal(capsys, sample.cli, ['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'out'),
+                                             *extra])
     assert code == 2 and expected in err and len(err.splitlines()) == 1
 
 

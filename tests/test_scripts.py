@@ -4,11 +4,12 @@ import json
 
 import pytest
 
+import digits_figure
 import digits_score
 import prediction_study
 import solver_accuracy
 import train
-from helpers import train_args
+from helpers import refusal, train_args
 
 
 def test_solver_accuracy_against_exact_answers(tmp_path):
@@ -80,3 +81,24 @@ def test_the_study_summary_pairs_seeds_and_names_both_targets():
     # Seed noise: twice the standard error of the difference of means (paper's sd 0 here).
     assert v['final_mean'] == 8.75 and v['exceeds_seed_noise'] is False  # 1.25 < 2 x 0.75
     assert summary['settings']['min-snr-5 (eps)']['exceeds_seed_noise'] is True  # 1.75 > 2 x 0.25
+
+
+@pytest.mark.parametrize('script, args, expected', [
+    (digits_figure, [], '--ckpt is required'),
+    (digits_figure, ['--ckpt', 'x.pt', '--scale', '0'], '--scale must be at least 1'),
+    (digits_score, ['--image-size', '2'], '--image-size must be at least 4'),
+    (digits_score, ['--bogus'], 'unrecognized arguments'),
+    (solver_accuracy, ['--sample-batch', '0'], '--sample-batch must be at least 1'),
+    (solver_accuracy, ['--stem', 'a/b'], 'a plain file name'),
+    (prediction_study, ['--eval-samples', '1'], '--eval-samples must be at least 2'),
+    (prediction_study, ['--workers', '0'], '--workers must be at least 1'),
+    (prediction_study, ['--images', '100'], '--images must be at least --eval-every'),
+    (prediction_study, ['--stem', '../x'], 'a plain file name'),
+])
+def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args, expected, tmp_path, capsys,
+                                                                     monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where their default output folders would be
+    code, err = refusal(capsys, script.main, args)
+    assert code == 2 and expected in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.iterdir())
+
