@@ -539,7 +539,14 @@ def device_slug(device: torch.device) -> str:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == 'cuda' else f'CPU ({os.cpu_count()} cores)'
+    """The GPU's name, or 'CPU (N cores, <model name from /proc/cpuinfo>)': what a report ran on."""
+    if device.type == 'cuda':
+        return torch.cuda.get_device_name(device)
+    with contextlib.suppress(OSError):
+        with open('/proc/cpuinfo') as f:
+            model = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '')
+            return f'CPU ({os.cpu_count()} cores{", " + model if model else ""})'
+    return f'CPU ({os.cpu_count()} cores)'
 
 
 def precision_of(amp: str, device: torch.device) -> str:

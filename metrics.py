@@ -10,7 +10,7 @@ import torch
 from tqdm import tqdm
 
 import sample
-from cli import JsonLines, peak_tflops, precision_of, synchronize
+from cli import JsonLines, device_name, peak_tflops, precision_of, provenance, synchronize
 from model import count_flops, count_params
 
 
@@ -36,9 +36,11 @@ class Metrics:
         self.out = JsonLines(self.path, cfg.tensorboard and os.path.join(cfg.out_dir, 'tb')) if self.active else None
         if self.active:
             self.out.drop_after(step)  # a killed run's rows past its last checkpoint
+            made_by = provenance(device_name(run.device))  # torch, date, commit, command: what the rows came from
             self.write({'config': asdict(cfg), 'flags': run.flags, 'model_config': asdict(run.model.config),
                         'start_step': step, 'world_size': run.world_size, 'loader': run.loader_kind,
-                        'device': str(run.device), 'data': run.data_identity})
+                        'device': str(run.device), 'device_name': made_by.pop('device'), **made_by,
+                        'data': run.data_identity})
             self.print(f'{cfg.preset}: {count_params(run.model) / 1e6:.2f}M parameters, '
                        f'{self.flops["train"] / 1e9:.2f} GFLOP/image per training step; {run.data_identity["count"]} '
                        f'images, loader {run.loader_kind}, {run.world_size} rank(s), {total_steps} steps of batch '

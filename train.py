@@ -573,6 +573,7 @@ def finish_run(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float
     last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
     losses = ', '.join(f'{name} {last[key]:.4f}' for key, name in (('loss', 'loss'), ('heldout_loss', 'held-out loss'),
                                                                     ('heldout_loss_ema', 'EMA')) if key in last)
+    log.write({'kind': 'done', 'step': step, 'wall_s': seconds, 'train_seconds': log.training_seconds()})
     log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
     return result
 

@@ -14,8 +14,8 @@ from torchvision.transforms.functional import gaussian_blur
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import sample  # noqa: E402
-from cli import (check_ranges, check_writable, flag, markdown_table, parse_config, provenance, run_main,  # noqa: E402
-                 write_report)
+from cli import (check_ranges, check_writable, device_name, flag, markdown_table, parse_config,  # noqa: E402
+                 provenance, run_main, write_report)
 
 
 @dataclass
@@ -58,7 +58,7 @@ def check_the_score(args: ScoreCheckConfig):
     for name, images in damaged_sets(args.image_size):
         rows.append({'set': name, **judge.score(judge.features(images))})
         print(f"{name}: FD {rows[-1]['digits_fd']:.2f}", flush=True)
-    result = {**provenance(f'CPU ({os.cpu_count()} cores)'), 'config': asdict(args), 'image_size': args.image_size,
+    result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(args), 'image_size': args.image_size,
               'classifier_accuracy': judge.accuracy, 'rows': rows}
     table = markdown_table(['Set', 'N', 'FD', 'KID', 'KID std', 'confident', 'label entropy (bits)'], [
         [r['set'], r['digits_samples'], f"{r['digits_fd']:.2f}", f"{r['digits_kid']:.1f}", f"{r['digits_kid_std']:.1f}",

@@ -18,10 +18,12 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import (ConfigError, atomic_open, check_plain_name, check_ranges, flag, format_or_na,  # noqa: E402
-                 markdown_table, parse_config, provenance, pyplot, run_main, save_figure, write_report)
+from cli import (ConfigError, atomic_open, check_plain_name, check_ranges, device_name, flag,  # noqa: E402
+                 format_or_na, markdown_table, parse_config, provenance, pyplot, run_main, save_figure, write_report)
 
 
 @dataclass
@@ -68,9 +70,13 @@ def run_once(name: str, seed: int, args) -> list:
     with open(os.path.join(folder, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     evals = {r['images_seen']: r for r in rows if r.get('kind') == 'eval'}  # the last of each, after resumes
-    heldout = {r['images_seen']: r.get('heldout_loss_ema') for r in rows if r.get('kind') == 'train'}
-    return [{'images': n, 'score': evals[n][SCORE], 'heldout_loss_ema': heldout.get(n), 'kid': evals[n]['digits_kid'],
-             'confident': evals[n]['digits_confident']} for n in sorted(evals)]
+    logged = sorted((r['images_seen'], r['heldout_loss_ema']) for r in rows if r.get('kind') == 'train')
+
+    def heldout_at(n):  # the last held-out loss logged at or before an evaluation (rows every --log-every)
+        return next((loss for seen, loss in reversed(logged) if seen <= n), None)
+    return [{'images': n, 'score': evals[n][SCORE], 'heldout_loss_ema': heldout_at(n), 'kid': evals[n]['digits_kid'],
+             'confident': evals[n]['digits_confident'], 'train_minutes': 60 * evals[n]['train_hours']}
+            for n in sorted(evals)]
 
 
 def images_to_reach(curve: list, target: float):
@@ -145,22 +151,22 @@ def report(curves: dict, summary: dict, args):
                              f"(FD in digit-classifier features, {args.eval_samples} EMA samples of DPM-Solver++ at 20 "
                              f"calls; floor about 7 at 450) every {args.eval_every:,} images. Targets: the "
                              f"recipe's mean score at the end and half-way; ratios pair runs of the same seed")
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for (name, runs), colour in zip(curves.items(), ('black', 'tab:blue', 'tab:orange', 'tab:green')):
-        images = [p['images'] for p in runs[0]]
-        scores = [[run[i]['score'] for run in runs] for i in range(len(images))]
-        mean = [statistics.mean(s) for s in scores]
-        ax.plot(images, mean, 'o-', color=colour, label=name, markersize=3)
-        if len(runs) > 1:
-            ax.fill_between(images, [min(s) for s in scores], [max(s) for s in scores], color=colour, alpha=0.15)
-    ax.axhline(summary['target'], color='gray', linestyle=':', label='the recipe\'s final score')
-    ax.set_yscale('log')
-    ax.set_xlabel('training images seen')
-    ax.set_ylabel('digits FD (classifier features; lower is better)')
-    ax.set_title(f'mean over {args.seeds} seeds (band: min to max); {summary["device"]}', fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, which='both')
+    fig, axes = pyplot().subplots(1, 2, figsize=(13, 4.5))
+    for ax, key, label in ((axes[0], 'score', 'digits FD (classifier features; lower is better)'),
+                           (axes[1], 'heldout_loss_ema', 'held-out loss of the EMA (eps MSE)')):
+        for (name, runs), colour in zip(curves.items(), ('black', 'tab:blue', 'tab:orange', 'tab:green')):
+            images = [p['images'] for p in runs[0]]
+            values = [[run[i][key] for run in runs] for i in range(len(images))]
+            if any(v is None for point in values for v in point):
+                continue
+            ax.plot(images, [statistics.mean(v) for v in values], 'o-', color=colour, label=name, markersize=3)
+            if len(runs) > 1:
+                ax.fill_between(images, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)
+        ax.set(yscale='log', xlabel='training images seen', ylabel=label)
+        ax.grid(alpha=0.3, which='both')
+    axes[0].axhline(summary['target'], color='gray', linestyle=':', label='the recipe\'s final score')
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f'mean over {args.seeds} seeds (band: min to max); {summary["device"]}', fontsize=9)
     save_figure(fig, png, dpi=110)
     print(table)
 
@@ -194,7 +200,7 @@ def study(args: StudyConfig):
     else:
         done = [run_once(*job) for job in jobs]
     curves = {name: [curve for (job_name, _, _), curve in zip(jobs, done) if job_name == name] for name in SETTINGS}
-    report(curves, {**provenance(f'CPU ({os.cpu_count()} cores)'), 'config': asdict(args), **summarise(curves)},
+    report(curves, {**provenance(device_name(torch.device('cpu'))), 'config': asdict(args), **summarise(curves)},
            args)
 
 

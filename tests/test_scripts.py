@@ -50,6 +50,7 @@ def test_the_prediction_study_reports_images_to_the_recipes_score(tmp_path):
     assert paper['final_mean'] == result['target'] and len(paper['finals']) == 2
     for curves in result['curves'].values():
         assert [[p['images'] for p in run] for run in curves] == [[32, 64]] * 2
+        assert all(run[-1]['heldout_loss_ema'] > 0 and run[-1]['train_minutes'] > 0 for run in curves)
     # A finished study is not trained again: the runs' folders are reused (here by two worker processes).
     assert prediction_study.main(small + ['--stem', 'again', '--workers', '2']) == 0
     assert json.loads((tmp_path / 'again.json').read_text())['curves'] == result['curves']

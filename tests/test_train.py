@@ -258,6 +258,10 @@ def test_train_on_shapes_writes_everything(tmp_path):
     assert ckpt['config']['preset'] == 'tiny'
     lines = metrics(tmp_path)
     assert lines[0]['config']['batch_size'] == 8
+    # What the rows came from, and the run's time: the first row and the last.
+    assert lines[0]['torch'] == torch.__version__ and lines[0]['commit'] and lines[0]['device_name'].startswith('CPU')
+    assert lines[-1]['kind'] == 'done' and lines[-1]['step'] == 24
+    assert 0 < lines[-1]['train_seconds'] <= lines[-1]['wall_s']
     rows = [row for row in lines if row.get('kind') == 'train']
     assert [row['step'] for row in rows] == [5, 10, 15, 20, 24]
     for row in rows:
