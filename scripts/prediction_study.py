@@ -70,7 +70,8 @@ def run_once(name: str, seed: int, args) -> list:
     with open(os.path.join(folder, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     evals = {r['images_seen']: r for r in rows if r.get('kind') == 'eval'}  # the last of each, after resumes
-    logged = sorted((r['images_seen'], r['heldout_loss_ema']) for r in rows if r.get('kind') == 'train')
+    logged = sorted((r['images_seen'], r['heldout_loss_ema']) for r in rows  # a stop's row holds no held-out loss
+                    if r.get('kind') == 'train' and r.get('heldout_loss_ema') is not None)
 
     def heldout_at(n):  # the last held-out loss logged at or before an evaluation (rows every --log-every)
         return next((loss for seen, loss in reversed(logged) if seen <= n), None)
