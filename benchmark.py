@@ -1,6 +1,6 @@
 """The speedup table: one row per optimisation, each adding its change to the row above.
 
-One mode per run; each writes STEM.json, STEM.md and STEM.png under --out-dir:
+One mode per run; each writes STEM.json and STEM.md under --out-dir, and STEM.png where it draws:
 
     python benchmark.py                  ladder    every row: ms/iter, img/s, TFLOP/s, MFU; the diffusers peers
                                                    beside our fastest row (its UNet in our loop, its training
@@ -36,10 +36,10 @@ import diffusion
 import roofline
 import sample
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, GPU_BANDWIDTH, autocast, bar_chart, brief, check_plain_name,
-                 check_ranges, check_writable, device_name, device_slug, flag, format_or_na, markdown_table,
-                 parse_config, peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize,
-                 write_once, write_report)
+from cli import (A100_PEAK_TFLOPS, ConfigError, autocast, bar_chart, brief, check_plain_name, check_ranges,
+                 check_writable, device_name, device_slug, flag, format_or_na, markdown_table, parse_config,
+                 peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize, write_once,
+                 write_report)
 from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
                           recipe_step, write_image_folder)
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
@@ -177,11 +177,13 @@ def start_row(bench: BenchConfig, device: torch.device) -> Row:
 def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
     """The defaults that depend on the device (the paper's model, 50 timed iterations, sampling
     batches of 1000 on a GPU; tiny, 10 and 64 on a CPU, where a step of the paper's model takes
-    seconds; the compile backend), then --quick's cuts; TF32 as --tf32 says."""
+    seconds, but the paper's model for a GPU's --roofline bound; the compile backend), then
+    --quick's cuts; TF32 as --tf32 says."""
     cuda = device.type == 'cuda'
     default = (lambda on_gpu, on_cpu: on_gpu if cuda else on_cpu)  # noqa: E731
     bench = dataclasses.replace(
-        bench, preset=bench.preset or default('ddpm-cifar10', 'tiny'), iters=bench.iters or default(50, 10),
+        bench, preset=bench.preset or ('ddpm-cifar10' if cuda or bench.roofline and not bench.profile else 'tiny'),
+        iters=bench.iters or default(50, 10),
         warmup=default(10, 3) if bench.warmup is None else bench.warmup,
         precision=bench.precision or ('fp32' if bench.profile and not cuda else 'bf16'),  # a CPU's own step: fp32
         sample_batch=bench.sample_batch or default(1000, 64), compile_backend=(
@@ -747,28 +749,6 @@ def profile_steps(run: train.Run, quick: bool, trace: str) -> tuple:
 
 # ----------------------------------------------------------------------------- the physical limit
 
-def roofline_target(bench: BenchConfig, device: torch.device) -> dict | None:
-    """The peaks of the bound: --gpu's, this GPU's or the H100 SXM's (from the tables unless the flags
-    give them); None where they are this CPU's, measured (--profile on a CPU)."""
-    if bench.profile and device.type == 'cpu':
-        if bench.gpu:
-            raise ConfigError("--gpu: with --profile on a CPU the bound is the CPU's, from its measured peaks")
-        return None
-    slug = bench.gpu or (device_slug(device) if device.type == 'cuda' else 'h100-sxm')
-    if slug == 'a100':
-        slug += '-80gb' if '80GB' in device_name(device).upper() else '-40gb'
-    name, gbs = GPU_BANDWIDTH.get(slug, (device_name(device), None))
-    gbs, fp32 = bench.bandwidth_gbs or gbs, bench.precision == 'fp32'
-    tflops = (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops) or peak_tflops(
-        name, ('tf32' if bench.tf32 else 'fp32') if fp32 else bench.precision or 'bf16')
-    if not (tflops and gbs):
-        raise ConfigError(f"--roofline: no peaks known for {name}: give --peak-tflops{'-fp32' if fp32 else ''} "
-                          f"and --bandwidth-gbs")
-    given = bench.bandwidth_gbs or (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops)
-    return {'name': f"{name} ({'peaks as given' if given else 'computed'})", 'slug': slug, 'peak_tflops': tflops,
-            'bandwidth_gbs': gbs}
-
-
 def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
     """(row, train config): the start row at --big-batch and --precision, eager off CUDA."""
     row = start_row(bench, device)
@@ -783,7 +763,7 @@ def run_roofline(bench: BenchConfig) -> dict:
     trace, the top ops), each category's time beside its bound on this device: a GPU's from its
     data sheet, a CPU's from its peaks measured now (the step run eagerly, a profile of aten ops)."""
     device = pick_device(bench.device)
-    bench, target = resolve(bench, device), roofline_target(bench, device)
+    bench, target = resolve(bench, device), roofline.target(bench, device)
     counted_on = device if bench.profile else torch.device('cuda')  # the GPU's step, wherever it is counted
     row, cfg = roofline_step(bench, counted_on)
     print(f'counting a step: {bench.preset}, {row.name}, {bench.precision}, batch {cfg.batch_size}', flush=True)
@@ -791,10 +771,11 @@ def run_roofline(bench: BenchConfig) -> dict:
     target = target or roofline.cpu_peaks(bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
     bounds = roofline.bounds(ops, cfg.batch_size, target['peak_tflops'], target['bandwidth_gbs'])
     flops = {'train': 1e9 * bounds['total']['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
+    precision = ('tf32' if bench.tf32 else 'fp32') if bench.precision == 'fp32' else bench.precision
     result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name, 'settings': asdict(row),
-              'precision': bench.precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
-    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline" if bench.roofline
-                          else output_stem(bench, device, 'profile'))
+              'precision': precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
+    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline{'' if precision == 'bf16' else '-' + precision}"
+                          if bench.roofline else output_stem(bench, device, 'profile'))
     if bench.profile:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
         channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
@@ -920,8 +901,8 @@ def validate(bench: BenchConfig) -> BenchConfig:
                           f"{'; '.join(row.name for row in ladder(bench, device))}")
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
-    if bench.roofline:
-        roofline_target(bench, device)
+    if bench.roofline or bench.profile:
+        roofline.target(bench, device)
     if bench.stem:
         check_plain_name(bench.stem, '--stem')
     try:

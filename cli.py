@@ -81,8 +81,9 @@ def check_ranges(config):
 
 def check_plain_name(value: str, flag: str):
     """A file name without folders: where it goes is another flag's (--out-dir)."""
-    if os.path.basename(value) != value or value in ('', '.', '..'):
-        raise ConfigError(f'{flag} {value!r}: a plain file name (no folders); --out-dir sets where it goes')
+    if os.path.basename(value) != value or value in ('', '.', '..') or len(value) > 200:
+        raise ConfigError(f'{flag} {value!r}: a plain file name (no folders, at most 200 characters); --out-dir '
+                          f'sets where it goes')
 
 
 @contextlib.contextmanager
@@ -108,7 +109,7 @@ def build_parser(config_class, description: str) -> argparse.ArgumentParser:
         text = f.metadata['help']
         if f.metadata.get('bounds'):
             text += f" ({range_text(f.metadata['bounds'])})"
-        if f.default is not None and 'default' not in text:
+        if f.default not in (None, '') and 'default' not in text:
             text += f' (default: {f.default})'
         kwargs = dict(default=f.default, help=text)
         if kind is bool:
@@ -441,6 +442,16 @@ class JsonLines:
             from torchvision.io import read_image
             self.tensorboard.add_image(tag, read_image(png_path), images_seen)
             self.tensorboard.flush()
+
+
+def check_creatable(folder: str, flag: str):
+    """That the folder exists, or that its nearest existing parent is a folder this process may
+    write in, creating nothing: for checking several folders before any is made."""
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f'{flag} {folder}: cannot write there ({parent} is not a writable folder)')
 
 
 def check_writable(folder: str, flag: str):

@@ -24,7 +24,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 import data
 import diffusion
 import train
-from cli import format_or_na, markdown_table, pyplot, save_figure, write_report
+from cli import (ConfigError, GPU_BANDWIDTH, device_name, device_slug, format_or_na, markdown_table, peak_tflops,
+                 pyplot, save_figure, write_report)
 from model import UNet
 
 # Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
@@ -32,10 +33,10 @@ from model import UNet
 CATEGORIES = [
     ('optimizer', r'adam|multi_tensor|foreach|lerp|clip_grad|vector_norm|_amp_'),
     ('attention', r'flash|fmha|attention|sdpa|softmax|bmm'),
-    ('norm', r'norm|welford'),
+    ('norm', r'norm(?!al)|welford'),  # not aten::normal_, the noise draw
     ('conv / matmul', r'conv|cudnn|implicit|xmma|cutlass|gemm|winograd|dgrad|wgrad|fprop|mm\b|addmm|matmul|sm\d\d_'),
     ('elementwise', r'elementwise|vectorized|triton_|silu|add|mul|copy|fill|cat|where|index|gather|reduce|'
-                    r'sum|mean|div|sub|pow|exp|clamp|flip|unrolled'),
+                    r'sum|mean|div|sub|pow|exp|clamp|flip|unrolled|normal|rand'),
 ]
 
 
@@ -197,6 +198,29 @@ def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
             counter.phase = 'step'
             train.train_step(run, x0, 1)
     return counter.ops
+
+
+def target(bench, device: torch.device) -> dict | None:
+    """The peaks of the bound: --gpu's, this GPU's or the H100 SXM's, from the tables unless the flags
+    give them (bench: benchmark.py's config); None where they are this CPU's, measured (--profile on
+    a CPU)."""
+    if bench.profile and device.type == 'cpu':
+        if bench.gpu:
+            raise ConfigError("--gpu: with --profile on a CPU the bound is the CPU's, from its measured peaks")
+        return None
+    slug = bench.gpu or (device_slug(device) if device.type == 'cuda' else 'h100-sxm')
+    if slug == 'a100':
+        slug += '-80gb' if '80GB' in device_name(device).upper() else '-40gb'
+    name, gbs = GPU_BANDWIDTH.get(slug, (device_name(device), None))
+    gbs, fp32 = bench.bandwidth_gbs or gbs, bench.precision == 'fp32'
+    tflops = (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops) or peak_tflops(
+        name, ('tf32' if bench.tf32 else 'fp32') if fp32 else bench.precision or 'bf16')
+    if not (tflops and gbs):
+        raise ConfigError(f"--roofline: no peaks known for {name}: give --peak-tflops{'-fp32' if fp32 else ''} "
+                          f"and --bandwidth-gbs")
+    given = bench.bandwidth_gbs or (bench.peak_tflops_fp32 if fp32 else bench.peak_tflops)
+    return {'name': f"{name} ({'peaks as given' if given else 'computed'})", 'slug': slug, 'peak_tflops': tflops,
+            'bandwidth_gbs': gbs}
 
 
 def cpu_peaks(quick: bool, dtype: torch.dtype) -> dict:

@@ -15,14 +15,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import ConfigError, atomic_open, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, atomic_open, check_ranges, check_writable, flag, parse_config, run_main  # noqa: E402
 
 
 @dataclass
 class FigureConfig:
     ckpt: str = flag('', 'a checkpoint of a digits run (required)')
-    out: str = flag('ddpm_samples/readme_digits.png', 'the PNG to write')
-    scale: int = flag(4, 'pixels per image pixel', at_least=1)
+    out: str = flag('ddpm_samples/readme_digits.png', 'the PNG to write (a file name ending in .png)')
+    scale: int = flag(4, 'pixels per image pixel', at_least=1, at_most=32)
 
 
 def main(argv=None) -> int:
@@ -33,6 +33,9 @@ def draw_figure(args: FigureConfig):
     check_ranges(args)
     if not args.ckpt:
         raise ConfigError('--ckpt is required: a checkpoint of a digits run')
+    if not args.out.lower().endswith('.png') or os.path.isdir(args.out):
+        raise ConfigError(f'--out {args.out}: a file name ending in .png')
+    check_writable(os.path.dirname(args.out) or '.', '--out')
     model, config, sched, prediction = sample.load_model(args.ckpt, 'ema', torch.device('cpu'))
     if config.in_channels != 1:
         raise ConfigError(f'--ckpt {args.ckpt}: a model of {config.in_channels}-channel images; the figure sets a '

@@ -20,7 +20,7 @@ from cli import (check_ranges, check_writable, device_name, flag, markdown_table
 
 @dataclass
 class ScoreCheckConfig:
-    image_size: int = flag(16, 'resolution of the digits', at_least=4)
+    image_size: int = flag(16, 'resolution of the digits (the blur is up to 9 pixels wide)', at_least=8, at_most=256)
     data_dir: str = flag('./data', 'where the classifier is cached')
     out_dir: str = flag('results', 'where the JSON and Markdown go')
 

@@ -22,8 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import (ConfigError, atomic_open, check_plain_name, check_ranges, device_name, flag,  # noqa: E402
-                 format_or_na, markdown_table, parse_config, provenance, pyplot, run_main, save_figure, write_report)
+from cli import (ConfigError, atomic_open, check_creatable, check_plain_name, check_ranges,  # noqa: E402
+                 check_writable, device_name, flag, format_or_na, markdown_table, parse_config, provenance,
+                 pyplot, run_main, save_figure, write_report)
 
 
 @dataclass
@@ -143,7 +144,8 @@ def report(curves: dict, summary: dict, args):
          'x the recipe\'s images, per-seed ratio mean +- sd',
          f"images to {targets['halfway']:.1f} (the recipe's at {summary['halfway_images']:,}), mean (seeds)",
          'x the recipe\'s images, per-seed ratio mean +- sd'],
-        [[name, f"{s['final_mean']:.2f} +- {format_or_na(s['final_sd'], '.2f')}", s['exceeds_seed_noise'],
+        [[name, f"{s['final_mean']:.2f} +- {format_or_na(s['final_sd'], '.2f')}",
+          {True: 'yes', False: 'no'}.get(s['exceeds_seed_noise'], 'n/a (one seed)'),
           *reach(s, ''), *reach(s, '_halfway')] for name, s in summary['settings'].items()])
     png = write_report(args.out_dir, args.stem, {**summary, 'curves': curves},
                        'Images to quality on digits: v-prediction and Min-SNR against the paper\'s recipe', table,
@@ -183,6 +185,10 @@ def study(args: StudyConfig):
     check_plain_name(args.stem, '--stem')
     if args.images < max(args.eval_every, args.batch_size):
         raise ConfigError('--images must be at least --eval-every and --batch-size')
+    folders = ((args.runs_dir, '--runs-dir'), (args.data_dir, '--data-dir'), (args.out_dir, '--out-dir'))
+    for check in (check_creatable, check_writable):  # all three checked before any is made
+        for folder, name in folders:
+            check(folder, name)
     decides = {k: getattr(args, k) for k in ('images', 'eval_every', 'eval_samples', 'batch_size', 'image_size')}
     manifest = os.path.join(args.runs_dir, 'study.json')
     if os.path.isfile(manifest):
@@ -190,7 +196,9 @@ def study(args: StudyConfig):
             saved = json.load(f)
         if saved != decides:
             raise ConfigError(f'--runs-dir {args.runs_dir} holds runs of other settings ({saved}): pass another one')
-    os.makedirs(args.runs_dir, exist_ok=True)
+    elif os.listdir(args.runs_dir):
+        raise ConfigError(f'--runs-dir {args.runs_dir} holds files but no study.json (what its runs were made with): '
+                          f'pass a new or empty folder')
     with atomic_open(manifest) as f:
         json.dump(decides, f)
     jobs = [(name, seed, args) for name in SETTINGS for seed in range(args.seeds)]

@@ -408,6 +408,7 @@ def test_categories():
     assert roofline.categorise('aten::native_group_norm_backward') == 'norm'
     assert roofline.categorise('pytorch_flash::flash_fwd_kernel') == 'attention'
     assert roofline.categorise('aten::_softmax') == roofline.categorise('cunn_SoftMaxForward<4>') == 'attention'
+    assert roofline.categorise('aten::normal_') == 'elementwise'  # the noise draw, not a normalisation
     assert roofline.categorise('void at::native::multi_tensor_apply_kernel<FusedAdam>') == 'optimizer'
     assert roofline.categorise('triton_poi_fused_add_mul_0') == 'elementwise'
 

@@ -179,13 +179,19 @@ def test_the_cpu_check_puts_measured_beside_bound(tmp_path):
 
 def test_roofline_flags():
     cpu = torch.device('cpu')
-    target = benchmark.roofline_target(benchmark.BenchConfig(gpu='a100-80gb'), cpu)
+    target = roofline.target(benchmark.BenchConfig(gpu='a100-80gb'), cpu)
     assert (target['peak_tflops'], target['bandwidth_gbs']) == (312.0, 2039)
-    target = benchmark.roofline_target(benchmark.BenchConfig(precision='fp32', peak_tflops_fp32=10.0,
-                                                             bandwidth_gbs=100.0), cpu)
+    target = roofline.target(benchmark.BenchConfig(precision='fp32', peak_tflops_fp32=10.0, bandwidth_gbs=100.0),
+                             cpu)
     assert (target['peak_tflops'], target['bandwidth_gbs'], target['slug']) == (10.0, 100.0, 'h100-sxm')
-    assert benchmark.roofline_target(benchmark.BenchConfig(profile=True), cpu) is None  # the CPU's, measured
+    assert roofline.target(benchmark.BenchConfig(profile=True), cpu) is None  # the CPU's, measured
     with pytest.raises(benchmark.ConfigError, match='measured peaks'):
         benchmark.validate(benchmark.BenchConfig(roofline=True, profile=True, gpu='h200', device='cpu'))
+    with pytest.raises(benchmark.ConfigError, match='measured peaks'):  # --profile alone: the CPU's bound too
+        benchmark.validate(benchmark.BenchConfig(profile=True, gpu='h200', device='cpu'))
+    # A GPU's bound is of the paper's model wherever it is computed; a CPU's own profile, of tiny.
+    assert benchmark.resolve(benchmark.BenchConfig(roofline=True), cpu).preset == 'ddpm-cifar10'
+    assert benchmark.resolve(benchmark.BenchConfig(roofline=True, profile=True), cpu).preset == 'tiny'
+    assert benchmark.resolve(benchmark.BenchConfig(), cpu).preset == 'tiny'
     with pytest.raises(benchmark.ConfigError, match='choose one mode'):
         benchmark.validate(benchmark.BenchConfig(roofline=True, quality=True, device='cpu'))

@@ -86,8 +86,12 @@ def test_the_study_summary_pairs_seeds_and_names_both_targets():
 
 @pytest.mark.parametrize('script, args, expected', [
     (digits_figure, [], '--ckpt is required'),
-    (digits_figure, ['--ckpt', 'x.pt', '--scale', '0'], '--scale must be at least 1'),
-    (digits_score, ['--image-size', '2'], '--image-size must be at least 4'),
+    (digits_figure, ['--ckpt', 'x.pt', '--scale', '0'], '--scale must be in [1, 32]'),
+    (digits_score, ['--image-size', '4'], '--image-size must be in [8, 256]'),
+    (digits_figure, ['--ckpt', 'x.pt', '--out', 'fig.jpg'], 'a file name ending in .png'),
+    (digits_figure, ['--ckpt', 'x.pt', '--out', 'a-file/fig.png'], '--out a-file: cannot write there'),
+    (prediction_study, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
+    (prediction_study, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
     (digits_score, ['--bogus'], 'unrecognized arguments'),
     (solver_accuracy, ['--sample-batch', '0'], '--sample-batch must be at least 1'),
     (solver_accuracy, ['--stem', 'a/b'], 'a plain file name'),
@@ -99,7 +103,8 @@ def test_the_study_summary_pairs_seeds_and_names_both_targets():
 def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args, expected, tmp_path, capsys,
                                                                      monkeypatch):
     monkeypatch.chdir(tmp_path)  # where their default output folders would be
+    (tmp_path / 'a-file').write_text('not a folder')
     code, err = refusal(capsys, script.main, args)
     assert code == 2 and expected in err and len(err.splitlines()) == 1, err
-    assert not list(tmp_path.iterdir())
+    assert [p.name for p in tmp_path.iterdir()] == ['a-file']
 
