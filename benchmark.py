@@ -774,8 +774,9 @@ def run_roofline(bench: BenchConfig) -> dict:
     precision = ('tf32' if bench.tf32 else 'fp32') if bench.precision == 'fp32' else bench.precision
     result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name, 'settings': asdict(row),
               'precision': precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
-    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline{'' if precision == 'bf16' else '-' + precision}"
-                          if bench.roofline else output_stem(bench, device, 'profile'))
+    named = '' if precision == ('fp32' if target['slug'] == 'cpu' else 'bf16') else '-' + precision  # not the default
+    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline{named}" if bench.roofline
+                          else output_stem(bench, device, 'profile'))
     if bench.profile:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
         channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time

@@ -889,7 +889,7 @@ def test_resume_applies_optimisation_changes_with_a_warning_and_refuses_others(t
     assert train.cli(['--resume', path, '--steps', '6', '--lr', '5e-4']) == 0
     err = capsys.readouterr().err
     assert "warning: --lr 0.0005 (the checkpoint's: 0.001)" in err
-    last = metrics(tmp_path)[-1]
+    last = [row for row in metrics(tmp_path) if row.get('kind') == 'train'][-1]
     assert load_ckpt(tmp_path)['config']['lr'] == 5e-4 and last['lr'] == pytest.approx(5e-4 * last['step'] / 50)
     for flag, value in (('--seed', '4'), ('--batch-size', '4'), ('--schedule', 'cosine')):
         assert train.cli(['--resume', path, '--steps', '8', flag, value]) == 2
