@@ -36,10 +36,10 @@ import diffusion
 import roofline
 import sample
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, autocast, bar_chart, brief, check_plain_name, check_ranges,
-                 check_writable, device_name, device_slug, flag, format_or_na, markdown_table, parse_config,
-                 peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize, write_once,
-                 write_report)
+from cli import (A100_PEAK_TFLOPS, ConfigError, autocast, bar_chart, brief, changed_fields, check_plain_name,
+                 check_ranges, check_writable, device_name, device_slug, flag, flag_name, format_or_na, markdown_table,
+                 parse_config, peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize,
+                 write_once, write_report)
 from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
                           recipe_step, write_image_folder)
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
@@ -885,11 +885,18 @@ def run_loader_only(bench: BenchConfig) -> dict:
 # The modes besides the ladder: the flag that asks for each, and what runs it.
 MODES = {'roofline': run_roofline, 'profile': run_roofline, 'sweep': run_sweep, 'loader_only': run_loader_only,
          'quality': run_quality, 'sampling_only': run_sampling_only}
+# Flags that only some modes read: given without one of them, they are refused, not ignored.
+MODE_FLAGS = {'sweep_values': ('sweep',), 'steps': ('quality',), 'gpu': ('roofline', 'profile'),
+              'bandwidth_gbs': ('roofline', 'profile'), 'precision': ('roofline', 'profile')}
 
 
 def validate(bench: BenchConfig) -> BenchConfig:
     """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
     check_ranges(bench)
+    given = changed_fields(bench)
+    for name, modes in MODE_FLAGS.items():
+        if name in given and not any(getattr(bench, mode) for mode in modes):
+            raise ConfigError(f"{flag_name(name)} is read only by {' and '.join('--' + m for m in modes)}")
     device = pick_device(bench.device)
     asked_size, bench = bench.image_size, resolve(bench, device)  # --quick on a CPU cuts the size: check the asked one
     modes = [name for name in MODES if getattr(bench, name)]

@@ -447,6 +447,9 @@ def test_mfu_uses_the_row_precision_and_overrides():
     (['--stem', '../../x'], 'a plain file name'),
     (['--seed', '-1'], '--seed must be in [0, 4294967295]'),
     (['--peak-tflops', '0'], '--peak-tflops must be a positive number'),
+    (['--sweep-values', '4'], '--sweep-values is read only by --sweep'),
+    (['--steps', '5', '--profile'], '--steps is read only by --quality'),
+    (['--gpu', 'h200'], '--gpu is read only by --roofline and --profile'),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expected):
     args = ['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path / 'out'),
