@@ -553,11 +553,10 @@ def device_name(device: torch.device) -> str:
     """The GPU's name, or 'CPU (N cores, <model name from /proc/cpuinfo>)': what a report ran on."""
     if device.type == 'cuda':
         return torch.cuda.get_device_name(device)
-    with contextlib.suppress(OSError):
-        with open('/proc/cpuinfo') as f:
-            model = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '')
-            return f'CPU ({os.cpu_count()} cores{", " + model if model else ""})'
-    return f'CPU ({os.cpu_count()} cores)'
+    model = ''
+    with contextlib.suppress(OSError), open('/proc/cpuinfo') as f:
+        model = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '')
+    return f'CPU ({os.cpu_count()} cores{", " + model if model else ""})'
 
 
 def precision_of(amp: str, device: torch.device) -> str:

@@ -107,36 +107,34 @@ def summarise(curves: dict) -> dict:
                                                                   curves[paper][0][-1]['images']))
     targets = {'final': statistics.mean(finals[paper]),
                'halfway': statistics.mean(c[halfway]['score'] for c in curves[paper])}
-    out = {'target': targets['final'], 'targets': targets,
-           'halfway_images': curves[paper][0][halfway]['images'], 'settings': {}}
+    paper_reach = {key: [images_to_reach(c, target) for c in curves[paper]] for key, target in targets.items()}
+    out = {'targets': targets, 'halfway_images': curves[paper][0][halfway]['images'], 'settings': {}}
     for name, runs in curves.items():
         stderr = math.sqrt(sum((sd(v) or 0) ** 2 / len(v) for v in (finals[name], finals[paper])))
         difference = statistics.mean(finals[name]) - targets['final']
-        setting = {'final_mean': statistics.mean(finals[name]), 'final_sd': sd(finals[name]), 'finals': finals[name],
-                   'final_difference': difference,
-                   'exceeds_seed_noise': abs(difference) > 2 * stderr if stderr else None}
-        for key, target in targets.items():
-            reach = [images_to_reach(c, target) for c in runs]
-            paper_reach = [images_to_reach(c, target) for c in curves[paper]]
-            reached = [r for r in reach if r is not None]
-            ratios = [r / p for r, p in zip(reach, paper_reach) if r is not None and p is not None]
-            suffix = '' if key == 'final' else '_halfway'
-            setting.update({f'images_to_target{suffix}': reach, f'reached{suffix}': f'{len(reached)} of {len(reach)}',
-                            f'images_mean{suffix}': statistics.mean(reached) if reached else None,
-                            f'images_sd{suffix}': sd(reached), f'ratio_to_paper_mean{suffix}': (
-                                statistics.mean(ratios) if ratios else None),
-                            f'ratio_sd{suffix}': sd(ratios), f'ratios{suffix}': len(ratios)})
-        out['settings'][name] = setting
+        out['settings'][name] = {
+            'final_mean': statistics.mean(finals[name]), 'final_sd': sd(finals[name]), 'finals': finals[name],
+            'final_difference': difference, 'exceeds_seed_noise': abs(difference) > 2 * stderr if stderr else None,
+            'reach': {key: reach_summary([images_to_reach(c, target) for c in runs], paper_reach[key], sd)
+                      for key, target in targets.items()}}
     return out
+
+
+def reach_summary(reach: list, paper_reach: list, sd) -> dict:
+    """The images each seed needs to reach a target (None: never), and their ratio to the recipe's
+    images at the same seed, over the seeds where both reach it."""
+    reached = [r for r in reach if r is not None]
+    ratios = [r / p for r, p in zip(reach, paper_reach) if r is not None and p is not None]
+    return {'images': reach, 'reached': f'{len(reached)} of {len(reach)}',
+            'images_mean': statistics.mean(reached) if reached else None, 'images_sd': sd(reached),
+            'ratio_mean': statistics.mean(ratios) if ratios else None, 'ratio_sd': sd(ratios), 'ratios': len(ratios)}
 
 
 def report(curves: dict, summary: dict, args):
     """The table (JSON and Markdown, through cli.write_report) and the curves' plot."""
-    def reach(s, suffix):  # images (seeds that reach the target), ratio to the recipe's at the same seed
-        ratio = format_or_na(s[f'ratio_to_paper_mean{suffix}'], '.2f')
-        spread = format_or_na(s[f'ratio_sd{suffix}'], '.2f')
-        return [f"{format_or_na(s[f'images_mean{suffix}'], ',.0f')} ({s[f'reached{suffix}']})",
-                f"{ratio} +- {spread} (n={s[f'ratios{suffix}']})"]
+    def reach(r):  # images (seeds that reach the target), ratio to the recipe's at the same seed
+        return [f"{format_or_na(r['images_mean'], ',.0f')} ({r['reached']})",
+                f"{format_or_na(r['ratio_mean'], '.2f')} +- {format_or_na(r['ratio_sd'], '.2f')} (n={r['ratios']})"]
     targets = summary['targets']
     table = markdown_table(
         ['Setting', 'final score, mean +- sd over seeds', 'final differs beyond seed noise',
@@ -146,7 +144,7 @@ def report(curves: dict, summary: dict, args):
          'x the recipe\'s images, per-seed ratio mean +- sd'],
         [[name, f"{s['final_mean']:.2f} +- {format_or_na(s['final_sd'], '.2f')}",
           {True: 'yes', False: 'no'}.get(s['exceeds_seed_noise'], 'n/a (one seed)'),
-          *reach(s, ''), *reach(s, '_halfway')] for name, s in summary['settings'].items()])
+          *reach(s['reach']['final']), *reach(s['reach']['halfway'])] for name, s in summary['settings'].items()])
     png = write_report(args.out_dir, args.stem, {**summary, 'curves': curves},
                        'Images to quality on digits: v-prediction and Min-SNR against the paper\'s recipe', table,
                        notes=f"; tiny preset, {args.image_size}x{args.image_size}, batch {args.batch_size}, "
@@ -167,7 +165,7 @@ def report(curves: dict, summary: dict, args):
                 ax.fill_between(images, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)
         ax.set(yscale='log', xlabel='training images seen', ylabel=label)
         ax.grid(alpha=0.3, which='both')
-    axes[0].axhline(summary['target'], color='gray', linestyle=':', label='the recipe\'s final score')
+    axes[0].axhline(summary['targets']['final'], color='gray', linestyle=':', label='the recipe\'s final score')
     axes[0].legend(fontsize=8)
     fig.suptitle(f'mean over {args.seeds} seeds (band: min to max); {summary["device"]}', fontsize=9)
     save_figure(fig, png, dpi=110)

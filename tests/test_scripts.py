@@ -47,7 +47,7 @@ def test_the_prediction_study_reports_images_to_the_recipes_score(tmp_path):
     result = json.loads((tmp_path / 'study.json').read_text())
     assert set(result['settings']) == set(prediction_study.SETTINGS)
     paper = result['settings']['paper (eps, uniform)']
-    assert paper['final_mean'] == result['target'] and len(paper['finals']) == 2
+    assert paper['final_mean'] == result['targets']['final'] and len(paper['finals']) == 2
     for curves in result['curves'].values():
         assert [[p['images'] for p in run] for run in curves] == [[32, 64]] * 2
         assert all(run[-1]['heldout_loss_ema'] > 0 and run[-1]['train_minutes'] > 0 for run in curves)
@@ -76,9 +76,11 @@ def test_the_study_summary_pairs_seeds_and_names_both_targets():
     assert summary['targets'] == {'final': 10, 'halfway': 40} and summary['halfway_images'] == 200
     v, paper = summary['settings']['v-prediction'], summary['settings']['paper (eps, uniform)']
     # Paired by seed: 300/300 and 200/400 (not 300/400 and 200/300).
-    assert v['images_to_target'] == pytest.approx([300, 200]) and v['ratio_to_paper_mean'] == pytest.approx(0.75)
-    assert v['images_to_target_halfway'] == [100, 100] and v['ratio_to_paper_mean_halfway'] == pytest.approx(0.5)
-    assert paper['ratio_to_paper_mean'] == 1 and paper['ratio_sd'] == 0 and v['ratios'] == 2
+    final, halfway = v['reach']['final'], v['reach']['halfway']
+    assert final['images'] == pytest.approx([300, 200]) and final['ratio_mean'] == pytest.approx(0.75)
+    assert halfway['images'] == [100, 100] and halfway['ratio_mean'] == pytest.approx(0.5)
+    assert paper['reach']['final']['ratio_mean'] == 1 and paper['reach']['final']['ratio_sd'] == 0
+    assert final['ratios'] == 2
     # Seed noise: twice the standard error of the difference of means (paper's sd 0 here).
     assert v['final_mean'] == 8.75 and v['exceeds_seed_noise'] is False  # 1.25 < 2 x 0.75
     assert summary['settings']['min-snr-5 (eps)']['exceeds_seed_noise'] is True  # 1.75 > 2 x 0.25
