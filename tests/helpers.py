@@ -68,3 +68,13 @@ def refusal(capsys, call, *args) -> tuple:
         code = exit.code
     return code, capsys.readouterr().err.strip()
 
+
+class Fixed(torch.nn.Module):
+    """A stand-in model that returns a given output (a noise or v prediction), whatever x_t and t."""
+    def __init__(self, output):
+        super().__init__()
+        self.output = output
+
+    def forward(self, x, t):
+        return self.output
+

@@ -7,7 +7,7 @@ import torch
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
                        dpm_solver_sample, dpm_solver_timesteps, log_snr, make_betas, make_schedule, p_mean_variance,
                        q_posterior, q_sample, run_sampler, training_loss, vlb_bits_per_dim, vlb_bits_per_dim_mc)
-from helpers import NO_DIFFUSERS
+from helpers import NO_DIFFUSERS, Fixed
 from model import UNet, get_config
 
 
@@ -85,16 +85,6 @@ def test_posterior_matches_bayes_rule():
         assert math.isclose(got_log_var.item(), math.log(1 / precision), rel_tol=1e-9)
 
 
-class FixedEps(torch.nn.Module):
-    """A stand-in model that returns a given noise prediction."""
-    def __init__(self, eps):
-        super().__init__()
-        self.eps = eps
-
-    def forward(self, x, t):
-        return self.eps
-
-
 def _float64_tables(ref):
     # diffusers builds its tables in float32, which costs it ~1e-4 relative precision in
     # beta_t = 1 - abar_t / abar_{t-1} at small t; rebuild them the way its __init__ does,
@@ -122,7 +112,7 @@ def test_ddpm_step_matches_diffusers():
     x, eps = (torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64) for _ in range(2))
     z = torch.randn(2, 3, 8, 8, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     for step in [999, 500, 10, 1]:
-        mean, log_var, _ = p_mean_variance(FixedEps(eps), sched, x, torch.full((2,), step), 'fixedlarge')
+        mean, log_var, _ = p_mean_variance(Fixed(eps), sched, x, torch.full((2,), step), 'fixedlarge')
         ours = mean + (0.5 * log_var).exp() * z
         # diffusers draws its noise from the generator it is given: the same draw as z.
         theirs = ref.step(eps, step, x, generator=torch.Generator().manual_seed(7)).prev_sample
@@ -325,10 +315,10 @@ def test_training_loss_is_the_noise_mse():
     sched = make_schedule()
     x0 = torch.rand(4, 3, 8, 8) * 2 - 1
     noise, t = torch.randn_like(x0), torch.tensor([0, 10, 500, 999])
-    assert training_loss(FixedEps(noise), sched, x0, t, noise) == 0
-    zero = training_loss(FixedEps(torch.zeros_like(x0)), sched, x0, t, noise)
+    assert training_loss(Fixed(noise), sched, x0, t, noise) == 0
+    zero = training_loss(Fixed(torch.zeros_like(x0)), sched, x0, t, noise)
     assert torch.isclose(zero, noise.square().mean())
-    per_image = training_loss(FixedEps(torch.zeros_like(x0)), sched, x0, t, noise, per_example=True)
+    per_image = training_loss(Fixed(torch.zeros_like(x0)), sched, x0, t, noise, per_example=True)
     assert torch.allclose(per_image, torch.stack([n.square().mean() for n in noise]))
 
 
@@ -358,7 +348,7 @@ def test_vlb_bits_per_dim():
     g = torch.Generator().manual_seed(0)
     x0 = torch.randint(0, 256, (2, 3, 8, 8), generator=g).float() / 127.5 - 1
     oracle = vlb_bits_per_dim(TrueNoise(sched, x0), sched, x0, generator=torch.Generator().manual_seed(0))
-    zeros = vlb_bits_per_dim(FixedEps(torch.zeros_like(x0)), sched, x0, generator=torch.Generator().manual_seed(0))
+    zeros = vlb_bits_per_dim(Fixed(torch.zeros_like(x0)), sched, x0, generator=torch.Generator().manual_seed(0))
     for result in (oracle, zeros):
         assert torch.isfinite(result['total']).all() and (result['total'] > 0).all()
         assert result['terms'].shape == (2, 50)

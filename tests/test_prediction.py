@@ -8,23 +8,13 @@ import torch
 
 from diffusion import (eps_and_x0, loss_weight_table, make_schedule, q_sample, training_loss, vlb_bits_per_dim,
                        vlb_bits_per_dim_mc)
-from helpers import refusal
+from helpers import Fixed, refusal
 
 
 def _abar(T=1000):
     """abar_t of the linear schedule (section 4 of the DDPM paper), with the math module."""
     betas = [1e-4 + (0.02 - 1e-4) * i / (T - 1) for i in range(T)]
     return [math.prod(1 - b for b in betas[:i + 1]) for i in range(T)]
-
-
-class Fixed(torch.nn.Module):
-    """A stand-in model that returns a given output, whatever x_t and t."""
-    def __init__(self, output):
-        super().__init__()
-        self.output = output
-
-    def forward(self, x, t):
-        return self.output
 
 
 def test_eps_and_x0_reads_eps_and_v():
