@@ -22,27 +22,31 @@ as waiting for data, are counted). Compilation is timed separately and kept out 
 import dataclasses
 import functools
 import os
-import statistics
 import sys
 import time
 import typing
 from dataclasses import asdict, dataclass
 
-import torch
-from tqdm import tqdm
-
 import data
 import diffusion
+import drawing
+import evaluation
 import roofline
-import sample
+import torch
 import train
-from cli import (A100_PEAK_TFLOPS, ConfigError, autocast, bar_chart, brief, changed_fields, check_plain_name,
-                 check_ranges, check_writable, device_name, device_slug, flag, flag_name, format_or_na, markdown_table,
-                 parse_config, peak_tflops, pick_device, precision_of, provenance, refused_as, run_main, synchronize,
-                 write_once, write_report)
+from cli import (ConfigError, brief, changed_fields, check_plain_name, check_ranges, flag, flag_name, parse_config,
+                 refused_as, run_main)
+from devices import autocast, device_name, device_slug, pick_device, precision_of, synchronize
 from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
-                          recipe_step, write_image_folder)
+                          recipe_step)
+from files import check_writable
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
+from reports import bar_chart, format_or_na, markdown_table, provenance, write_report
+from tqdm import tqdm
+
+from timing import (Row, add_speedups, beton_for, build_row_run, image_folder_for, measure_row,
+                    measured_or_failed, peak_for, release, row_line, row_train_config, selected_rows, start_row,
+                    sweep_rows, throughput, time_iterations)
 
 
 @dataclass
@@ -113,67 +117,6 @@ class BenchConfig:
     seed: int = flag(0, 'seed', at_least=0, at_most=2 ** 32 - 1)
 
 
-@dataclass
-class Row:
-    """One rung of the ladder: the train.py settings it runs with."""
-    name: str
-    batch_size: int
-    attention: str = 'manual'
-    compile: bool = False
-    compile_mode: str = 'default'
-    compile_scope: str = 'loss'  # 'model': torch.compile of the network alone, as before the whole-loss graph
-    amp: str = 'off'
-    channels_last: bool = False
-    fused_adam: bool = False
-    loader: str = 'torch'
-    num_workers: typing.Optional[int] = None  # None: --num-workers
-
-
-def ladder(bench: BenchConfig, device: torch.device) -> list:
-    """The reference table's rows, then ours; each row changes one thing."""
-    rows = [Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)]
-
-    def add(name, **change):
-        rows.append(dataclasses.replace(rows[-1], name=name, **change))
-    add(f'Scale up batch size ({bench.big_batch})', batch_size=bench.big_batch)
-    add('torch.compile (the network)', compile=True, compile_scope='model')
-    add('torch.compile (the whole loss, one graph)', compile_scope='loss')
-    add('PyTorch SDPA', attention='sdpa')
-    add(f'Mixed precision ({bench.amp_dtype})', amp=bench.amp_dtype)
-    add('Channels-last', channels_last=True)
-    add('Fused Adam', fused_adam=True)
-    add('FFCV data loading', loader='ffcv')
-    add('GPU-resident data' if device.type == 'cuda' else 'Device-resident data (gpu loader, in RAM)', loader='gpu')
-    add('compile reduce-overhead (CUDA graphs)', compile_mode='reduce-overhead')
-    add('compile max-autotune (no CUDA graphs)', compile_mode='max-autotune-no-cudagraphs')
-    add('compile max-autotune + CUDA graphs', compile_mode='max-autotune')
-    return rows
-
-
-def skip_reason(row: Row, device: torch.device) -> str | None:
-    if row.loader == 'ffcv':
-        return data.ffcv_missing_reason()
-    if row.amp == 'fp16' and device.type != 'cuda':
-        return 'fp16 training needs CUDA'
-    if row.compile_mode != 'default' and device.type != 'cuda':
-        return 'compile modes other than default target CUDA (autotuning, CUDA graphs)'
-    return None
-
-
-def start_row(bench: BenchConfig, device: torch.device) -> Row:
-    """The row the other modes start from: --from-row, or the last runnable row in the default
-    compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
-    rows = ladder(bench, device)
-    if bench.from_row:
-        named = [r for r in rows if not skip_reason(r, device) and bench.from_row.lower() in r.name.lower()]
-        if not named:
-            raise ConfigError(f"--from-row {bench.from_row!r} matches no row that runs here; the rows are: "
-                              f"{'; '.join(r.name for r in rows if not skip_reason(r, device))}")
-        return named[0]
-    # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
-    return next(r for r in reversed(rows) if r.compile_mode == 'default' and not skip_reason(r, device))
-
-
 def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
     """The defaults that depend on the device (the paper's model, 50 timed iterations, sampling
     batches of 1000 on a GPU; tiny, 10 and 64 on a CPU, where a step of the paper's model takes
@@ -196,157 +139,6 @@ def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
                                     num_workers=min(bench.num_workers, 2),
                                     image_size=bench.image_size if cuda else min(bench.image_size, 16))
     return bench
-
-
-# ----------------------------------------------------------------------------- timing
-
-def row_train_config(row: Row, bench: BenchConfig, device: torch.device, dataset_name: str) -> train.TrainConfig:
-    cfg = train.TrainConfig(preset=bench.preset, dataset=dataset_name, data_dir=bench.data_dir,
-                            image_size=bench.image_size, batch_size=row.batch_size, attention=row.attention,
-                            compile=row.compile, compile_mode=row.compile_mode, amp=row.amp,
-                            channels_last=row.channels_last, fused_adam=row.fused_adam, loader=row.loader,
-                            num_workers=bench.num_workers if row.num_workers is None else row.num_workers,
-                            seed=bench.seed, device=str(device))
-    return train.resolve_defaults(cfg, device)
-
-
-class Clock:
-    """Marks on the device's timeline: CUDA events on a GPU, perf_counter on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda, self.marks = device.type == 'cuda', []
-
-    def mark(self):
-        event = torch.cuda.Event(enable_timing=True) if self.cuda else time.perf_counter()
-        if self.cuda:
-            event.record()
-        self.marks.append(event)
-
-    def intervals_ms(self) -> list:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
-        return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
-
-
-def time_iterations(iterate: typing.Callable, device: torch.device, bench: BenchConfig, name: str = '') -> dict:
-    """Compile time (the first iteration), then the median ms of `iters` iterations after warm-up,
-    with a progress bar (on stderr; it never waits for the device). iterate(step) runs one training
-    iteration, data included, and leaves its loss on the device."""
-    bar = tqdm(total=bench.warmup + bench.iters, desc=f'  {name[:60]}', leave=False)  # after the first iteration
-    start = time.perf_counter()
-    iterate(0)
-    synchronize(device)
-    compile_s = time.perf_counter() - start
-    for step in range(1, bench.warmup + 1):
-        iterate(step)
-        bar.update()
-    synchronize(device)
-    if device.type == 'cuda':
-        torch.cuda.reset_peak_memory_stats(device)
-    clock = Clock(device)
-    clock.mark()
-    for step in range(bench.warmup + 1, bench.warmup + 1 + bench.iters):
-        iterate(step)  # no sync: the next iteration's host work overlaps this one's kernels
-        clock.mark()
-        bar.update()
-    intervals = clock.intervals_ms()
-    bar.close()
-    return {'ms_per_iter': statistics.median(intervals), 'ms_min': min(intervals), 'ms_max': max(intervals),
-            'compile_s': compile_s,
-            'peak_mem_gb': torch.cuda.max_memory_allocated(device) / 1e9 if device.type == 'cuda' else None}
-
-
-def release(device: torch.device):
-    torch._dynamo.reset()
-    if device.type == 'cuda':
-        torch.cuda.empty_cache()
-
-
-def build_row_run(row_cfg: train.TrainConfig, bench: BenchConfig, device, dataset, make_model=None,
-                  compile_scope: str = 'loss') -> train.Run:
-    """train.py's run of a row; compile_scope 'model' compiles the network alone (the loss
-    around it runs eagerly), 'loss' the whole loss as train.py does."""
-    run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)
-    if row_cfg.compile:  # torch.compile is lazy: replacing the loss before its first call costs nothing
-        options = {} if bench.compile_backend == 'inductor' else {'backend': bench.compile_backend}
-        if compile_scope == 'model':
-            mode = None if row_cfg.compile_mode == 'default' or options else row_cfg.compile_mode
-            net = torch.compile(run.model, mode=mode, **options)
-            run.compute_loss = train.make_loss(dataclasses.replace(row_cfg, compile=False), net, run.sched, device)
-        elif options:
-            run.compute_loss = train.make_loss(row_cfg, run.model, run.sched, device, mode=None, **options)
-    return run
-
-
-def peak_for(precision: str, device: torch.device, bench: BenchConfig):
-    """The dense peak the MFU is computed against: the override, the table, or None (n/a)."""
-    override = bench.peak_tflops_fp32 if precision in ('fp32', 'tf32') else bench.peak_tflops
-    if override or device.type != 'cuda':
-        return override
-    return peak_tflops(torch.cuda.get_device_name(device), precision)
-
-
-def throughput(result: dict, row_cfg: train.TrainConfig, bench: BenchConfig, device, flops: dict) -> dict:
-    """A timing with its throughput, TFLOP/s and MFU (against the device's peak and the A100's)."""
-    precision = precision_of(row_cfg.amp, device)
-    img_per_s = row_cfg.batch_size / (result['ms_per_iter'] / 1e3)
-    tflops, peak = img_per_s * flops['train'] / 1e12, peak_for(precision, device, bench)
-    return {**result, 'precision': precision, 'img_per_s': img_per_s, 'tflops': tflops,
-            'tflops_torchinfo': img_per_s * flops['torchinfo_train'] / 1e12, 'mfu': tflops / peak if peak else None,
-            'peak_tflops': peak, 'mfu_a100': tflops / A100_PEAK_TFLOPS[precision]}  # fp32 19.5, TF32 156, bf16 312
-
-
-def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_model=None) -> dict:
-    """One row's timing of train.py's step on train.py's batches; a row that cannot run here is
-    'skipped', one that raises is 'failed' (with the reason): the run goes on either way."""
-    entry = {'name': row.name, 'batch_size': row.batch_size, 'settings': asdict(row)}
-    if reason := skip_reason(row, device):
-        return {**entry, 'skipped': reason}
-
-    def measure():
-        row_cfg, row_data = row_train_config(row, bench, device, dataset_name), dataset
-        if row.loader == 'ffcv':
-            row_data = beton_for(bench, dataset_name, dataset)
-            row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=row_data.path)
-        run = build_row_run(row_cfg, bench, device, row_data, make_model, row.compile_scope)
-        stream = train.batches(run, 0)
-        result = throughput(time_iterations(lambda step: train.train_step(run, next(stream), step), device, bench,
-                                            row.name), row_cfg, bench, device, flops)
-        if row_cfg.compile and bench.compile_backend != 'inductor':
-            result['note'] = f'torch.compile with backend={bench.compile_backend}'
-        return result
-    return measured_or_failed(entry, device, measure)
-
-
-def measured_or_failed(entry: dict, device: torch.device, measure: typing.Callable) -> dict:
-    """{**entry, **measure()}; one that raises (a compile mode, a peer, out of memory) is 'failed'
-    with the reason: it costs its row, not the table. The device's memory is released either way."""
-    try:
-        return {**entry, **measure()}
-    except torch.cuda.OutOfMemoryError as error:
-        return {**entry, 'failed': f'out of memory ({brief(error, 200)})'}
-    except Exception as error:
-        return {**entry, 'failed': brief(error, 300)}
-    finally:
-        release(device)
-
-
-def row_line(index: int, total: int, r: dict) -> str:
-    """The one line a row prints when it is done."""
-    head = f'[{index}/{total}] {r["name"]}: '
-    if 'failed' in r or 'skipped' in r:
-        return head + ('FAILED: ' + r['failed'] if 'failed' in r else 'skipped: ' + r['skipped'])
-    return head + (f"{r['ms_per_iter']:.2f} ms/iter, {r['img_per_s']:,.0f} img/s, {r['tflops']:.2f} TFLOP/s, "
-                   f"MFU {format_or_na(r['mfu'], '.1%')} ({r['precision']}), {format_or_na(r.get('speedup'), '.2f')}x; "
-                   f"first iteration {r['compile_s']:.1f} s")
-
-
-def add_speedups(rows: list):
-    baseline = next((r for r in rows if 'ms_per_iter' in r), None)
-    for r in rows:
-        if baseline and 'img_per_s' in r:
-            r['speedup'] = r['img_per_s'] / baseline['img_per_s']
 
 
 # ----------------------------------------------------------------------------- the peers (their code: diffusers_io)
@@ -396,24 +188,6 @@ def beside_ours(result: dict, best: Row, best_result: dict, bench, device, datas
         result.update(ours_again={k: again[k] for k in ('ms_per_iter', 'img_per_s')},
                       ratio=again['img_per_s'] / result['img_per_s'])
     return result
-
-
-def image_folder_for(bench: BenchConfig, dataset_name: str, dataset) -> str:
-    """The benchmark's images as PNG files, what diffusers' example trains from."""
-    return written_once(bench, dataset_name, dataset, '-png', 'the diffusers recipe row',
-                        functools.partial(write_image_folder, dataset))
-
-
-def beton_for(bench: BenchConfig, dataset_name: str, dataset) -> 'data.BetonDataset':
-    """The benchmark's images as a raw-RGB .beton, for the FFCV rows."""
-    return data.BetonDataset(written_once(bench, dataset_name, dataset, '.beton', 'the FFCV rows', lambda tmp: (
-        data.write_beton(dataset, tmp, num_workers=bench.num_workers or 1))))
-
-
-def written_once(bench: BenchConfig, dataset_name: str, dataset, suffix: str, what: str, write) -> str:
-    """DATA_DIR/bench-<set>-<count>x<size><suffix>: the images in another form (cli.write_once)."""
-    path = os.path.join(bench.data_dir, f'bench-{dataset_name}-{len(dataset)}x{bench.image_size}{suffix}')
-    return write_once(path, what, write)
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -519,11 +293,6 @@ def load_data(bench: BenchConfig):
             if bench.dataset == 'cifar10':
                 raise
     return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
-
-
-def selected_rows(bench: BenchConfig, device: torch.device) -> list:
-    wanted = [w.strip().lower() for w in bench.rows.split(',') if w.strip()]
-    return [r for r in ladder(bench, device) if not bench.rows or any(w in r.name.lower() for w in wanted)]
 
 
 def run_ladder(bench: BenchConfig) -> dict:
@@ -648,18 +417,18 @@ def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_nam
         loss_sum += train.train_step(run, next(stream), step)
     train_loss, seconds = loss_sum.item() / bench.steps, time.perf_counter() - start
     eval_cfg = dataclasses.replace(row_cfg, amp='off', channels_last=False)
-    heldout = sample.make_heldout(eval_cfg, device, run.sched.num_steps)
-    losses = {name: sample.heldout_losses(module, run.sched, heldout, eval_cfg, device)
+    heldout = evaluation.make_heldout(eval_cfg, device, run.sched.num_steps)
+    losses = {name: evaluation.heldout_losses(module, run.sched, heldout, eval_cfg, device)
               for name, module in (('model', run.model), ('ema', run.ema))}
     result = {'name': row.name, 'seed': seed, 'settings': asdict(row), 'precision': precision_of(row_cfg.amp, device),
               'train_loss': train_loss, 'seconds': seconds, 'losses': losses,
               'heldout_loss': losses['model'].mean().item(), 'heldout_loss_ema': losses['ema'].mean().item()}
     if dataset_name == 'digits':  # DPM-Solver++ at 20 calls, from the seed's noise
-        judge = sample.DigitsJudge(bench.image_size, bench.data_dir)
+        judge = evaluation.DigitsJudge(bench.image_size, bench.data_dir)
         with torch.no_grad():
             x = diffusion.run_sampler('dpm++', run.ema, run.sched, (450, 1, bench.image_size, bench.image_size), 20,
                                       torch.Generator(device).manual_seed(seed), device)
-        result.update(judge.score(judge.features(sample.to_uint8(x).cpu())))
+        result.update(judge.score(judge.features(drawing.to_uint8(x).cpu())))
     release(device)
     return result
 
@@ -775,8 +544,9 @@ def run_roofline(bench: BenchConfig) -> dict:
     result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name, 'settings': asdict(row),
               'precision': precision, 'batch_size': cfg.batch_size, 'ops_counted': len(ops), **bounds}
     named = '' if precision == ('fp32' if target['slug'] == 'cpu' else 'bf16') else '-' + precision  # not the default
-    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline{named}" if bench.roofline
-                          else output_stem(bench, device, 'profile'))
+    quick = '-quick' if bench.quick else ''  # a smoke run's small bound never takes a committed result's name
+    stem = bench.stem or (f"{target['slug']}-{bench.preset}-roofline{named}{quick}" if bench.roofline
+                          else output_stem(bench, device, 'profile' + quick))
     if bench.profile:
         print(f'profiling the same step on {device_name(device)} ...', flush=True)
         channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
@@ -793,23 +563,6 @@ def run_roofline(bench: BenchConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- sweeps and data paths
-
-def sweep_rows(kind: str, best: Row, bench: BenchConfig, device: torch.device) -> list:
-    """Variants of the best row along one setting."""
-    cuda = device.type == 'cuda'
-    values = [int(v) for v in bench.sweep_values.split(',') if v.strip()] if bench.sweep_values else None
-    if kind == 'batch':
-        sizes = values or ([4, 8, 16] if bench.quick else [64, 128, 256, 512, 1024, 2048, 4096])
-        return [dataclasses.replace(best, name=f'batch {b}', batch_size=b) for b in sizes]
-    if kind == 'workers':
-        return [dataclasses.replace(best, name=f'torch loader, {n} workers', loader='torch', num_workers=n)
-                for n in values or ([0, 2] if bench.quick else [0, 2, 4, 8])]
-    if kind == 'amp':
-        return [dataclasses.replace(best, name=f'amp {p}', amp=p) for p in ['off', 'bf16'] + (['fp16'] if cuda else [])]
-    modes = ['default'] + (['max-autotune-no-cudagraphs', 'reduce-overhead', 'max-autotune'] if cuda else [])
-    return [dataclasses.replace(best, name='eager', compile=False)] + [
-        dataclasses.replace(best, name=f'compile {m}', compile=True, compile_mode=m) for m in modes]
-
 
 def run_sweep(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
@@ -885,28 +638,52 @@ def run_loader_only(bench: BenchConfig) -> dict:
 # The modes besides the ladder: the flag that asks for each, and what runs it.
 MODES = {'roofline': run_roofline, 'profile': run_roofline, 'sweep': run_sweep, 'loader_only': run_loader_only,
          'quality': run_quality, 'sampling_only': run_sampling_only}
-# Flags that only some modes read: given without one of them, they are refused, not ignored.
-MODE_FLAGS = {'sweep_values': ('sweep',), 'steps': ('quality',), 'gpu': ('roofline', 'profile'),
-              'bandwidth_gbs': ('roofline', 'profile'), 'precision': ('roofline', 'profile')}
+# Which mode reads which flag: a flag given to a mode that does not read it is refused, not ignored.
+# A flag not named here (the model, the data, the device, the rows' settings, the outputs) is read by
+# every mode. 'profile' is --profile on a GPU (with or without --roofline: the bound from the GPU's
+# peaks); 'profile_cpu' the same on a CPU, whose peaks are measured, not given.
+TIMED = ('ladder', 'sweep', 'sampling_only')  # the modes that time iterations and report MFU
+MODE_READS = {
+    'rows': ('ladder',), 'peer': ('ladder',), 'sampling': ('ladder',),
+    'iters': TIMED, 'warmup': TIMED,
+    'sample_batch': ('ladder', 'sampling_only'), 'sample_compile_mode': ('ladder', 'sampling_only'),
+    'peak_tflops': TIMED + ('roofline', 'profile'), 'peak_tflops_fp32': TIMED + ('roofline', 'profile'),
+    'from_row': ('roofline', 'profile', 'profile_cpu', 'sweep', 'loader_only', 'quality', 'sampling_only'),
+    'sweep_values': ('sweep',), 'steps': ('quality',),
+    'gpu': ('roofline', 'profile'), 'bandwidth_gbs': ('roofline', 'profile'),
+    'precision': ('roofline', 'profile', 'profile_cpu'),
+}
+
+
+def mode_name(mode: str) -> str:
+    return {'ladder': 'the ladder (no mode flag)', 'profile_cpu': '--profile on a CPU'}.get(
+        mode, '--' + mode.replace('_', '-'))
+
+
+def mode_of(bench: BenchConfig, device: torch.device) -> str:
+    """The mode a run is in, as MODE_READS names it."""
+    if bench.profile:
+        return 'profile' if device.type == 'cuda' else 'profile_cpu'
+    return next((name for name in MODES if getattr(bench, name)), 'ladder')
 
 
 def validate(bench: BenchConfig) -> BenchConfig:
     """Every flag checked before any work (ConfigError, one line); fills --out-dir."""
     check_ranges(bench)
-    given = changed_fields(bench)
-    for name, modes in MODE_FLAGS.items():
-        if name in given and not any(getattr(bench, mode) for mode in modes):
-            raise ConfigError(f"{flag_name(name)} is read only by {' and '.join('--' + m for m in modes)}")
     device = pick_device(bench.device)
+    mode = mode_of(bench, device)
+    for name in sorted(changed_fields(bench) & set(MODE_READS)):
+        if mode not in MODE_READS[name]:
+            given = flag_name(name) if getattr(bench, name) is not False else flag_name(name).replace('--', '--no-', 1)
+            raise ConfigError(f"{given} is not read by {mode_name(mode)}; it is read only by "
+                              f"{', '.join(mode_name(m) for m in MODE_READS[name])}")
     asked_size, bench = bench.image_size, resolve(bench, device)  # --quick on a CPU cuts the size: check the asked one
     modes = [name for name in MODES if getattr(bench, name)]
     if len(modes) > 1 and modes != ['roofline', 'profile']:  # --roofline --profile: the bound beside a profile
         raise ConfigError(f"choose one mode, not {' and '.join('--' + m.replace('_', '-') for m in modes)}")
     with refused_as(f'--image-size {asked_size}'):
         model_config(dataclasses.replace(bench, image_size=asked_size))
-    if bench.rows and not selected_rows(bench, device):
-        raise ConfigError(f"--rows {bench.rows!r} matches no row; the rows are: "
-                          f"{'; '.join(row.name for row in ladder(bench, device))}")
+    selected_rows(bench, device)  # a --rows part that matches no row is an error now
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
     if bench.roofline or bench.profile:

@@ -8,8 +8,9 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
-from cli import ConfigError, atomic_open, brief, disk_full_error
+from cli import ConfigError, brief
 from diffusers_io import diffusers_scheduler, read_diffusers
+from files import atomic_open, disk_full_error
 from model import MODEL_VERSION, UNet, UNetConfig
 
 # The one checkpoint format, of train.py, sample.py and benchmark.py: a dict that loads with
@@ -70,6 +71,8 @@ def resume_settings(cfg, given: set) -> tuple:
     saved = dict(saved)
     if 'epochs' in given and 'steps' not in given:
         saved.pop('steps', None)  # --epochs given now sets the length; a replayed --steps would win over it
+    if 'loss_weight' in given and 'snr_gamma' not in given:
+        saved.pop('snr_gamma', None)  # the saved gamma belongs to the saved weighting, not to the one given now
     moved = os.path.realpath(str(ckpt['config'].get('out_dir'))) != os.path.realpath(cfg.out_dir)
     if moved and 'samples_dir' not in given:  # a copy resumed elsewhere keeps its grids in its own folder
         saved['samples_dir'] = os.path.join(cfg.out_dir, 'samples')

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from cli import ConfigError, atomic_path, brief, check_ranges, check_writable, flag, parse_config, run_main
+from cli import ConfigError, brief, check_ranges, flag, parse_config, run_main
+from files import atomic_path, check_writable
 
 IMAGE_EXTENSIONS = ('.png', '.jpg', '.jpeg')
 HIGH_BIT_DEPTH_MODES = ('I;16', 'I;16B', 'I;16L', 'I;16N', 'I')
@@ -177,7 +178,8 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = 
         pass  # not there (or corrupt): try the download
     hint = (f"put the python version of CIFAR-10 (cifar-10-batches-py/ from "
             f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz) under {data_dir!r} or pass "
-            f"--data-dir to where it is; or do without it: {flag} shapes, or {flag} folder --data-dir DIR")
+            f"--data-dir to where it is; or do without a download: {flag} digits (scikit-learn's 1,797 real "
+            f"handwritten digits, one channel), {flag} shapes, or {flag} folder --data-dir DIR")
     if not download:
         raise DataError(f'CIFAR-10 not found in {data_dir!r}: {hint}')
     previous_timeout = socket.getdefaulttimeout()
@@ -529,7 +531,8 @@ class BetonDataset(Dataset):
         return self.count
 
     def images(self, indices) -> torch.Tensor:
-        from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
+        from ffcv.loader import Loader as FFCVLoaderBase
+        from ffcv.loader import OrderOption
         indices = list(indices)
         loader = FFCVLoaderBase(self.path, batch_size=len(indices), num_workers=1, order=OrderOption.SEQUENTIAL,
                                 indices=indices, pipelines={'image': _ffcv_pipeline('cpu')})
@@ -551,8 +554,9 @@ class FFCVLoader(Loader):
 
     def __init__(self, dataset: BetonDataset, batch_size: int, seed: int, device, num_workers: int = 4,
                  rank=0, world_size=1, flip=True):
-        from ffcv.loader import Loader as FFCVLoaderBase, OrderOption
         import numba
+        from ffcv.loader import Loader as FFCVLoaderBase
+        from ffcv.loader import OrderOption
         super().__init__(len(dataset), batch_size, seed, rank, world_size, flip)
         self.device = torch.device(device)
         self.num_workers = max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS))  # numba's ceiling: the cores

@@ -12,7 +12,9 @@ import shutil
 import torch
 import torch.nn as nn
 
-from cli import ConfigError, autocast, brief, disk_full_error
+from cli import ConfigError, brief
+from devices import autocast
+from files import disk_full_error
 from model import NORM_EPS, AttnBlock, Downsample, ResBlock, UNet, UNetConfig, Upsample
 
 # UNet2DModel's defaults for the fields a config.json may leave out (diffusers 0.42).
@@ -365,15 +367,17 @@ RECIPE = {'lr': 1e-4, 'betas': (0.95, 0.999), 'weight_decay': 1e-6, 'eps': 1e-8,
           'ema_power': 3 / 4, 'center_crop': True, 'random_flip': True}
 
 
-def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str) -> dict:
+def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str, total_steps: int = None,
+                 lr: float = None) -> dict:
     """The example's objects around our network's function (diffusers_config): UNet2DModel,
-    DDPMScheduler, AdamW, the cosine schedule with warm-up, EMAModel with its warm-up, and the
-    grad scaler that accelerate's fp16 uses (a no-op otherwise)."""
+    DDPMScheduler, AdamW, the cosine schedule with warm-up (over `total_steps`, else its 100
+    epochs), EMAModel with its warm-up, and the grad scaler that accelerate's fp16 uses (a no-op
+    otherwise). `lr`: another learning rate than the example's."""
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
     unet = UNet2DModel(**diffusers_config(config)).to(device)
-    optimizer = torch.optim.AdamW(unet.parameters(), lr=RECIPE['lr'], betas=RECIPE['betas'],
+    optimizer = torch.optim.AdamW(unet.parameters(), lr=lr or RECIPE['lr'], betas=RECIPE['betas'],
                                   weight_decay=RECIPE['weight_decay'], eps=RECIPE['eps'])
     ema = EMAModel(unet.parameters(), decay=RECIPE['ema_max_decay'], use_ema_warmup=True,
                    inv_gamma=RECIPE['ema_inv_gamma'], power=RECIPE['ema_power'], model_cls=UNet2DModel,
@@ -384,7 +388,7 @@ def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str) -
             'scaler': torch.amp.GradScaler(device.type, enabled=amp == 'fp16'),
             'lr_scheduler': get_scheduler(RECIPE['lr_schedule'], optimizer=optimizer,
                                           num_warmup_steps=RECIPE['lr_warmup_steps'],
-                                          num_training_steps=steps_per_epoch * RECIPE['epochs'])}
+                                          num_training_steps=total_steps or steps_per_epoch * RECIPE['epochs'])}
 
 
 def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:

@@ -271,21 +271,11 @@ def ddim_step(sched: Schedule, xt: torch.Tensor, output: torch.Tensor, step: int
     """One DDIM update (Song, Meng & Ermon, 2021, eq. 12, sigma from eq. 16 scaled by eta):
     x_prev = sqrt(abar_prev) x0_pred + sqrt(1 - abar_prev - sigma^2) eps + sigma z, with (eps, x0_pred)
     from the model's output (eps_and_x0). prev_step=-1 means abar_prev = 1: return x0_pred.
-    clip (ddim_clip):
-    'none' (default): the DDIM paper's update, DPM-Solver++(1), a first-order solver of the model's
-      probability-flow ODE: the one DPM-Solver++ solves, so both meet as steps grow.
-    'x0': x0_pred clipped to [-1, 1], the model's eps kept (diffusers' clip_sample): each step
-      moves x_t by sqrt(abar_prev) (clip(x0_pred) - x0_pred), which does not shrink with the step,
-      so it is no consistent solver and drifts from the ODE's solution as steps grow.
-    'x0+eps': x0_pred clipped, eps re-derived from it by eq. 4 (clip_sample with
-      use_clipped_model_output): DDIM of the denoiser clip(x0_pred), consistent, but for the ODE of
-      that other denoiser, not the model's.
-    The measurement that chose 'none' (float64; the exact denoiser of a 3-component Gaussian
-    mixture with 26% of its mass outside [-1, 1], plus 0.05 sin(3 x_t) as a network's error, so
-    that |x0_pred| averages 5 at t=T; mean distance in grey levels): DDIM-N to DDIM-2N for
-    N = 25, 50, 100, 500, then DDIM-1000 to DPM-Solver++(2M) at 1000 calls. 'none': 1.58, 0.79,
-    0.39, 0.08; 0.10. 'x0': 7.9, 10.5, 10.7, 2.0; 41.6 (DDIM-25 is 7.2 away). 'x0+eps': 1.71,
-    0.87, 0.43, 0.09; 2.6, and 0.09 from DPM-Solver++ run on the clipped denoiser."""
+    clip (ddim_clip): 'none' (default) is the DDIM paper's update, a first-order solver of the
+    model's probability-flow ODE that meets DPM-Solver++ as steps grow; 'x0' clips x0_pred and keeps
+    eps (diffusers' clip_sample: no consistent solver); 'x0+eps' also re-derives eps from the clipped
+    x0 (use_clipped_model_output: consistent, but for the clipped denoiser's ODE). The measurement
+    that chose 'none': docs/sampling.md, DDIM unclipped."""
     clip = ddim_clip(clip, clip_denoised)
     abar = float(sched.alphas_cumprod[step])
     alpha, sigma_t = math.sqrt(abar), math.sqrt(1 - abar)

@@ -9,9 +9,11 @@ from dataclasses import asdict
 import torch
 from tqdm import tqdm
 
-import sample
-from cli import JsonLines, device_name, peak_tflops, precision_of, provenance, synchronize
+import evaluation
+from devices import device_name, peak_tflops, precision_of, synchronize
+from files import JsonLines
 from model import count_flops, count_params
+from reports import provenance
 
 
 class Metrics:
@@ -22,7 +24,8 @@ class Metrics:
     held-out loss or an evaluation runs, and the first step of a process (which compiles) is
     timed on its own as `first_step_s`. `train_seconds` sums the timed training time."""
 
-    def __init__(self, run, step: int, total_steps: int, train_seconds: float = 0.0):  # run: a train.Run
+    def __init__(self, run, step: int, total_steps: int, train_seconds: float = 0.0,
+                 wall_seconds: float = 0.0):  # run: a train.Run
         cfg, self.run = run.cfg, run
         self.active = run.rank == 0
         self.path = os.path.join(cfg.out_dir, 'metrics.jsonl')
@@ -32,6 +35,7 @@ class Metrics:
         self.bar = tqdm(total=total_steps, initial=step, disable=not self.active, dynamic_ncols=True, desc='train')
         self.first_step_s, self.untimed_steps = None, 1  # the first step compiles: timed apart
         self.interval_start, self.paused_s, self.train_seconds = time.perf_counter(), 0.0, train_seconds
+        self.wall_before, self.loop_start = wall_seconds, time.perf_counter()  # earlier processes' wall, this one's
         self.last, self.grids, self.curves_drawn = {}, [], 0.0
         self.out = JsonLines(self.path, cfg.tensorboard and os.path.join(cfg.out_dir, 'tb')) if self.active else None
         if self.active:
@@ -62,7 +66,7 @@ class Metrics:
         if not self.active or (not force and time.perf_counter() - self.curves_drawn < 30):
             return
         with self.paused():
-            sample.write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
+            evaluation.write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
         self.curves_drawn = time.perf_counter()
 
     def after_step(self):
@@ -85,6 +89,14 @@ class Metrics:
             yield
         finally:
             self.paused_s += time.perf_counter() - start
+
+    def start_loop(self):
+        self.loop_start = time.perf_counter()
+
+    def wall_seconds(self) -> float:
+        """Wall time of the training loop so far, over every process of the run (a resumed run
+        counts on from its checkpoint's), evaluations, grids and checkpoints included."""
+        return self.wall_before + time.perf_counter() - self.loop_start
 
     def training_seconds(self) -> float:
         """Training time so far: the logged intervals and the current one, pauses left out."""

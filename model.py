@@ -1,15 +1,12 @@
-"""The DDPM UNet (Ho et al., 2020, appendix B), its presets and FLOP counting: the network and
-nothing else (its files: checkpoint.py for ours, diffusers_io.py for diffusers' folders; a whole
-training step counted op by op, FLOPs and bytes: roofline.py).
+"""The DDPM UNet (Ho et al., 2020, appendix B), its presets and FLOP counting: the network alone.
 
-The network is the paper's (its TF code, diffusion_tf/models/unet.py): a sinusoidal
-timestep embedding and a 2-layer MLP; residual blocks of GroupNorm(eps 1e-6), SiLU, 3x3
-conv, the timestep embedding through a SiLU and a projection added, dropout, and a last
-conv initialised at scale 1e-10; single-head self-attention at 16x16; strided-conv
-downsampling padded like TF's 'SAME' (right and bottom); nearest-neighbour upsampling and
-a conv; a skip connection from every down block; TF's variance-scaling initialisation.
-diffusers' UNet2DModel in the configuration of google/ddpm-cifar10-32 is the same function
-(tests/test_model.py checks it in float64), and diffusers_io.load_diffusers reads its weights.
+The paper's TF network (diffusion_tf/models/unet.py): a sinusoidal timestep embedding and a
+2-layer MLP; residual blocks of GroupNorm(eps 1e-6), SiLU, 3x3 conv, the timestep embedding
+through a SiLU and a projection added, dropout, a last conv initialised at scale 1e-10;
+single-head self-attention at 16x16; strided-conv downsampling padded like TF's 'SAME';
+nearest-neighbour upsampling and a conv; a skip from every down block; TF's variance-scaling
+initialisation. diffusers' UNet2DModel (google/ddpm-cifar10-32) is the same function, checked in
+float64 by tests/test_model.py. Files: checkpoint.py (ours), diffusers_io.py (diffusers').
 """
 import math
 from dataclasses import dataclass, replace

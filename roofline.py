@@ -24,9 +24,10 @@ from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 import data
 import diffusion
 import train
-from cli import (ConfigError, GPU_BANDWIDTH, device_name, device_slug, format_or_na, markdown_table, peak_tflops,
-                 pyplot, save_figure, write_report)
+from cli import ConfigError
+from devices import GPU_BANDWIDTH, device_name, device_slug, peak_tflops
 from model import UNet
+from reports import format_or_na, markdown_table, pyplot, save_figure, write_report
 
 # Profiler kernel/op names -> what they do. First match wins; the optimizer goes first since
 # its multi-tensor kernels are also elementwise.

@@ -1,4 +1,5 @@
-"""Sample from a checkpoint, and evaluate it: FID against a data set, bits/dim on a data set.
+"""Sample from a checkpoint: draw, write and continue images, a grid, FID or the digits score and
+bits/dim of them (measured by evaluation.py), or an export to a diffusers pipeline.
 
     python sample.py --ckpt runs/ckpt.pt --num 50000 --sampler ddim --steps 50 --batch-size 1000 --out samples/
     python sample.py --ckpt runs/ckpt.pt --num 64 --grid                 # one grid PNG
@@ -6,19 +7,10 @@
     python sample.py --ckpt runs/ckpt.pt --bpd --bpd-num 10000            # bits/dim on CIFAR-10 test
     python sample.py --ckpt runs/ckpt.pt --export-diffusers runs/pipeline # a diffusers DDPMPipeline folder
 
-Sampling uses the EMA weights (--weights model for the raw ones), bf16 autocast and
-torch.compile on CUDA. Images go to disk batch by batch as they are drawn; SIGTERM or Ctrl-C
-stops after the batch under way, and the same command continues (OUT/samples.json records the
-settings). FID goes through torch-fidelity's InceptionV3 (the TF-FID-compatible network); its
-weights download on first use, or come from --inception-weights offline. A digits checkpoint is
-judged by the digits score instead (the same statistics in a digit classifier's features: no
-download). It also holds the evaluation that train.py runs during training (held-out loss, FID or
-the digits score, bits/dim of the EMA, curves.png), since it reuses the code above.
-Exit codes: 0 done (or stopped with what was drawn written), 1 a write failed, 2 bad input, 3
-the model drew NaN or inf.
+EMA weights (--weights model: the raw ones); images go to disk batch by batch, and after a stop the
+same command continues (OUT/samples.json holds the settings). Exit codes: 0 done (or stopped with
+what was drawn written), 1 a write failed, 2 bad input, 3 the model drew NaN or inf.
 """
-import contextlib
-import copy
 import dataclasses
 import json
 import math
@@ -32,20 +24,19 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import data
 import diffusion
-from cli import (ConfigError, StopFlag, atomic_open, atomic_path, autocast, brief, check_ranges, check_writable,
-                 claim_folder, flag, gather_to_rank0, own_rng, parse_config, pick_device, pyplot, run_main,
-                 save_figure)
 from checkpoint import model_from_checkpoint, read_checkpoint, require_finite
+from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
+from devices import autocast, pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
+from drawing import draw, to_uint8
+from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, digits_summary, features_of,
+                        frechet_distance, inception_extractor, reference_statistics, statistics)
+from files import atomic_open, atomic_path, check_writable, claim_folder
 from model import UNetConfig, count_flops
-
-
-REFERENCE_SETS = ('cifar10', 'shapes', 'digits', 'folder', 'beton')
 
 
 @dataclass
@@ -116,57 +107,6 @@ def load_model(path: str, weights: str, device) -> tuple:
                               f'prediction {prediction!r})')
     require_finite(model.state_dict(), f'{named_as}: its {weights} weights', 'sample an earlier checkpoint')
     return model.to(device).requires_grad_(False), model.config, diffusion.make_schedule(num_steps, kind), prediction
-
-
-def sampling_amp(amp: str, device: torch.device) -> str:
-    """--amp auto samples in bf16 on CUDA and in fp32 on the CPU."""
-    return ('bf16' if device.type == 'cuda' else 'off') if amp == 'auto' else amp
-
-
-class NonFiniteSamples(Exception):
-    """The model drew NaN or inf (a diverged model): one line, exit code 3; the batch is not written."""
-    exit_code = 3
-
-
-def draw(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device, progress=True,
-         rank: int = 0, world_size: int = 1, batches: list = None,
-         prediction: str = 'eps') -> typing.Iterator[torch.Tensor]:
-    """Yields uint8 (B, C, H, W) batches; batch i's noise comes from seed (seed, i), drawn on
-    the device. With world_size > 1 this rank draws batches rank, rank + world_size, ...: the
-    ranks together draw exactly the images one process would. `batches`: only these indices;
-    `prediction`: what the model predicts ('eps' or 'v')."""
-    sched = sched.to(device)
-    if batches is None:
-        batches = list(range(math.ceil(cfg.num / cfg.batch_size)))[rank::world_size]
-    starts = [index * cfg.batch_size for index in batches]
-    bar = tqdm(total=sum(min(cfg.batch_size, cfg.num - s) for s in starts), desc=f'{cfg.sampler} sampling',
-               unit='img', disable=not progress, leave=False)
-    try:
-        for start in starts:
-            yield draw_batch(model, sched, cfg, device, start, config, prediction)
-            bar.update(min(cfg.batch_size, cfg.num - start))
-    finally:  # also when a batch fails: the bar's line is cleared before the error is printed
-        bar.close()
-
-
-def draw_batch(model, sched: diffusion.Schedule, cfg: SampleConfig, device, start: int, config: UNetConfig,
-               prediction: str = 'eps') -> torch.Tensor:
-    """The batch holding images start, start + 1, ... as uint8 (B, C, H, W); refused if non-finite."""
-    shape = (min(cfg.batch_size, cfg.num - start), config.in_channels, config.image_size, config.image_size)
-    seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
-    generator = torch.Generator(device).manual_seed(seed)
-    with autocast(sampling_amp(cfg.amp, device), device):
-        x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta, cfg.spacing,
-                                  cfg.variance, prediction, clip=None if cfg.clip == 'auto' else cfg.clip)
-    if not x.isfinite().all():
-        raise NonFiniteSamples(f'the model drew NaN or inf in batch {start // cfg.batch_size} (images {start} '
-                               f'to {start + shape[0] - 1}): it has diverged; nothing of that batch is written')
-    return to_uint8(x)
-
-
-def to_uint8(x: torch.Tensor) -> torch.Tensor:
-    """[-1, 1] floats to uint8 (B, C, H, W), rounding to the nearest of 256 levels."""
-    return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
 
 
 # ----------------------------------------------------------------------------- writing samples
@@ -355,469 +295,6 @@ def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
     write_grid_png(to_uint8(images), path)
 
 
-# ----------------------------------------------------------------------------- FID
-
-def inception_extractor(weights_path: str, device) -> typing.Callable:
-    """torch-fidelity's InceptionV3 (pool3, 2048 features), as uint8 (B, 3, H, W) -> (B, 2048)."""
-    from torch_fidelity.feature_extractor_inceptionv3 import URL_INCEPTION_V3, FeatureExtractorInceptionV3
-    check_inception_weights(weights_path)
-    try:
-        network = FeatureExtractorInceptionV3('inception-v3-compat', ['2048'],
-                                              feature_extractor_weights_path=weights_path or None)
-    except Exception as error:
-        if weights_path:
-            raise ConfigError(f'--inception-weights {weights_path}: cannot load it ({brief(error)})') from None
-        raise ConfigError(
-            f'FID needs the InceptionV3 weights, and downloading them failed ({brief(error)}). '
-            f'Offline, fetch {URL_INCEPTION_V3} on a machine with network and pass --inception-weights PATH') from None
-    network = network.to(device).eval()
-    return lambda images: network(images.to(device))[0].double().cpu()
-
-
-def check_inception_weights(path: str):
-    """--inception-weights, when given, must be a file (whether it loads, inception_extractor says)."""
-    if path and not os.path.isfile(path):
-        raise ConfigError(f'--inception-weights {path}: no such file')
-
-
-def features_of(batches: typing.Iterable[torch.Tensor], extractor: typing.Callable) -> np.ndarray:
-    with torch.no_grad():
-        return torch.cat([extractor(batch) for batch in batches]).numpy()
-
-
-def statistics(features: np.ndarray) -> dict:
-    """Mean and covariance of the features, as torch-fidelity computes them."""
-    from torch_fidelity.metric_fid import fid_features_to_statistics
-    return fid_features_to_statistics(torch.from_numpy(features))
-
-
-def frechet_distance(stats_a: dict, stats_b: dict) -> float:
-    """||mu_a - mu_b||^2 + tr(S_a + S_b - 2 (S_a S_b)^1/2) (Heusel et al., 2017), via torch-fidelity."""
-    from torch_fidelity.metric_fid import KEY_METRIC_FID, fid_statistics_to_metric
-    return fid_statistics_to_metric(stats_a, stats_b, verbose=False)[KEY_METRIC_FID]
-
-
-def reference_images(name: str, data_dir: str, image_size: int, split_train: bool,
-                     flag: str = '--fid-data') -> torch.Tensor:
-    """A reference set: the training split (FID) or the held-out one (bits/dim); `flag` names it."""
-    if name == 'cifar10':
-        return data.resize_images(data.load_cifar10(data_dir, split_train, True, flag), image_size)
-    if name == 'shapes':
-        return data.make_shapes(50000 if split_train else 10000, image_size,
-                                seed=0 if split_train else data.SHAPES_HELDOUT_SEED)
-    if name == 'digits':
-        return data.load_digits_split(image_size, heldout=not split_train)[0]
-    if name not in ('folder', 'beton'):
-        raise ConfigError(f"unknown data set {name!r}: use {', '.join(REFERENCE_SETS)}")
-    return data.dataset_images(data.load_dataset(name, data_dir, image_size))  # no split: all of it
-
-
-def reference_statistics(name: str, data_dir: str, image_size: int, extractor, batch_size: int,
-                         cache: str = '') -> dict:
-    """Statistics of the FID reference set (the training split of `name`), cached in an .npz
-    (default: DATA_DIR/fid_stats_<name>_<size>.npz, beside a .beton file) so that they are computed once."""
-    folder = os.path.dirname(data_dir) if os.path.isfile(data_dir) else data_dir  # a .beton is a file
-    path = cache or os.path.join(folder, f'fid_stats_{name}_{image_size}.npz')
-    if os.path.isfile(path):
-        cached = np.load(path)
-        return {'mu': cached['mu'], 'sigma': cached['sigma']}
-    images = reference_images(name, data_dir, image_size, split_train=True)
-    batches = tqdm(images.split(batch_size), desc=f'reference features ({name})', leave=False)
-    stats = statistics(features_of(batches, extractor))
-    with atomic_open(path, 'wb') as f:  # a run killed mid-write leaves no half cache
-        np.savez(f, mu=stats['mu'], sigma=stats['sigma'])
-    return stats
-
-
-# ----------------------------------------------------------------------------- the digits score
-
-# FID's recipe in another feature space: Inception cannot be downloaded everywhere and was never
-# meant for 1-channel digits, so the digits are judged in the features of a small classifier
-# trained on their training split (seconds on a CPU, cached). The statistics and the distances
-# are torch-fidelity's, as for FID.
-DIGITS_CLASSIFIER_VERSION = 1  # part of the cache key: a change to the network or its training retrains it
-DIGITS_TRAINING = {'epochs': 20, 'batch_size': 64, 'lr': 2e-3, 'seed': 0, 'resolution': 16}
-CONFIDENT = 0.9  # a sample labelled with at least this probability counts as a recognisable digit
-
-
-class DigitsClassifier(torch.nn.Module):
-    """Two convolutions and 64 features before a linear read-out of the 10 classes. Every input
-    size is resized to 16x16 first, so one network (and its cost) serves every --image-size."""
-
-    def __init__(self):
-        super().__init__()
-        nn = torch.nn
-        self.body = nn.Sequential(
-            nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),  # (B, 32, 8, 8)
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4),  # (B, 64, 4, 4)
-            nn.Flatten(), nn.Linear(64 * 16, 64), nn.ReLU())  # (B, 64): the features
-        self.head = nn.Linear(64, 10)
-
-    def features(self, images: torch.Tensor) -> torch.Tensor:
-        """uint8 (B, 1, S, S) -> (B, 64)."""
-        x = torch.nn.functional.interpolate(images.float() / 127.5 - 1, size=DIGITS_TRAINING['resolution'],
-                                            mode='bilinear', antialias=True, align_corners=False)
-        return self.body(x)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(images))
-
-
-def train_digits_classifier(image_size: int) -> tuple:
-    """(classifier, held-out accuracy): Adam on the training split at image_size, from a fixed
-    seed, on the CPU, leaving the global RNG where it was."""
-    settings = DIGITS_TRAINING
-    images, labels = data.load_digits_split(image_size, heldout=False)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(settings['seed'])
-        classifier = DigitsClassifier()
-        optimizer = torch.optim.Adam(classifier.parameters(), lr=settings['lr'])
-        for _ in range(settings['epochs']):
-            for batch in torch.randperm(len(images)).split(settings['batch_size']):
-                loss = torch.nn.functional.cross_entropy(classifier(images[batch]), labels[batch])
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-    heldout, heldout_labels = data.load_digits_split(image_size, heldout=True)
-    with torch.no_grad():
-        accuracy = (classifier.eval()(heldout).argmax(1) == heldout_labels).double().mean().item()
-    return classifier, accuracy
-
-
-def digits_classifier(image_size: int, cache_dir: str) -> tuple:
-    """The trained classifier and its held-out accuracy, from CACHE_DIR/digits_classifier_<size>_<key>.pt
-    when there, else trained and cached; the key hashes what decides the weights (the version,
-    the settings, the image size and the training images)."""
-    import hashlib
-    images = data.load_digits_split(image_size, heldout=False)[0]
-    key = hashlib.sha256(json.dumps([DIGITS_CLASSIFIER_VERSION, DIGITS_TRAINING, image_size]).encode()
-                         + images.numpy().tobytes()).hexdigest()[:16]
-    path = os.path.join(cache_dir, f'digits_classifier_{image_size}_{key}.pt')
-    classifier = DigitsClassifier()
-    if os.path.isfile(path):
-        with contextlib.suppress(Exception):  # an unreadable cache is retrained, not an error
-            saved = torch.load(path, map_location='cpu', weights_only=True)
-            classifier.load_state_dict(saved['weights'])
-            return classifier.eval(), saved['accuracy']
-    classifier, accuracy = train_digits_classifier(image_size)
-    check_writable(cache_dir, '--data-dir')
-    with atomic_open(path, 'wb', unique=True) as f:  # processes training it at once each write their own
-        torch.save({'weights': classifier.state_dict(), 'accuracy': accuracy}, f)
-    return classifier, accuracy
-
-
-def kernel_distance(features: np.ndarray, reference: np.ndarray, seed: int = 0) -> tuple:
-    """KID (Binkowski et al. 2018, unbiased for small sample counts) through torch-fidelity: the
-    mean and spread of the unbiased MMD^2 with the cubic kernel over 100 random subsets of equal
-    size. The samples are put in one canonical order first, so that their order does not change
-    which subsets are drawn."""
-    from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
-    features = features[np.lexsort(features.T[::-1])]
-    subset = min(len(features), len(reference), 1000)
-    kid = kid_features_to_metric(torch.from_numpy(features), torch.from_numpy(reference), kid_subsets=100,
-                                 kid_subset_size=subset, rng_seed=seed, verbose=False)
-    return kid[KEY_METRIC_KID_MEAN], kid[KEY_METRIC_KID_STD]
-
-
-class DigitsJudge:
-    """The digits score of a set of 1-channel images: Frechet distance and KID between their
-    classifier features and those of the training split, the share the classifier labels
-    confidently, and the entropy of the labels (log2(10) = 3.32 bits for balanced digits)."""
-
-    def __init__(self, image_size: int, cache_dir: str):
-        self.classifier, self.accuracy = digits_classifier(image_size, cache_dir)
-        self.reference = self.features(data.load_digits_split(image_size, heldout=False)[0])
-        self.reference_stats = statistics(self.reference)
-        # The floor: real digits the classifier never saw (the 450 held-out ones) against the same statistics.
-        self.floor = self.score(self.features(data.load_digits_split(image_size, heldout=True)[0]))
-
-    @torch.no_grad()
-    def features(self, images: torch.Tensor) -> np.ndarray:
-        """uint8 (N, 1, S, S) -> float64 (N, 64), in batches on the CPU."""
-        return torch.cat([self.classifier.features(b.cpu()).double() for b in images.split(512)]).numpy()
-
-    @torch.no_grad()
-    def score(self, features: np.ndarray) -> dict:
-        kid, kid_std = kernel_distance(features, self.reference)
-        probs = self.classifier.head(torch.from_numpy(features).float()).softmax(1)
-        counts = torch.bincount(probs.argmax(1), minlength=10).double()
-        shares = counts[counts > 0] / len(features)
-        return {'digits_fd': frechet_distance(statistics(features), self.reference_stats),
-                'digits_kid': kid, 'digits_kid_std': kid_std,
-                'digits_confident': (probs.max(1).values >= CONFIDENT).double().mean().item(),
-                'digits_class_entropy': abs((shares * shares.log2()).sum().item()), 'digits_samples': len(features),
-                'digits_features': f'digits classifier v{DIGITS_CLASSIFIER_VERSION} (64 features, held-out '
-                                   f'accuracy {self.accuracy:.4f})'}
-
-
-# ----------------------------------------------------------------------------- bits/dim
-
-def bits_per_image(model, sched: diffusion.Schedule, images: torch.Tensor, batch_size: int, device,
-                   generator: torch.Generator, timesteps: int = 0, amp: str = 'off', progress: bool = True,
-                   prediction: str = 'eps') -> dict:
-    """Per image (uint8 (N, 3, H, W) in): the full bound (timesteps=0, T model calls each) or its
-    unbiased Monte Carlo estimate from `timesteps` timesteps; {'total', 'prior', 'decoder'} (N,)."""
-    sched = sched.to(device)
-    parts = {'total': [], 'prior': [], 'decoder': []}
-    calls = model_calls_per_image(timesteps, sched.num_steps)
-    for batch in tqdm(images.split(batch_size), desc=f'bits/dim ({calls} model calls per image)', leave=False,
-                      disable=not progress):
-        x0 = batch.to(device).float() / 127.5 - 1
-        with autocast(amp, device):
-            if timesteps:
-                result = diffusion.vlb_bits_per_dim_mc(model, sched, x0, timesteps, generator=generator,
-                                                       prediction=prediction)
-            else:
-                result = diffusion.vlb_bits_per_dim(model, sched, x0, generator=generator, prediction=prediction)
-        for key in parts:
-            parts[key].append(result[key].double().cpu())
-    return {key: torch.cat(value) for key, value in parts.items()}
-
-
-def model_calls_per_image(timesteps: int, num_steps: int) -> int:
-    """The full bound calls the model once per timestep; the estimate once per drawn timestep
-    plus once for the decoder term."""
-    return timesteps + 1 if timesteps else num_steps
-
-
-def summarise_bits(per_image: dict, timesteps: int, num_steps: int) -> dict:
-    """The mean bits/dim and its standard error over images (which, for the Monte Carlo
-    estimate, holds the spread of the timestep draws too)."""
-    total = per_image['total']
-    return {'bits_per_dim': total.mean().item(),
-            'stderr': (total.std() / math.sqrt(len(total))).item() if len(total) > 1 else None,
-            'prior': per_image['prior'].mean().item(), 'decoder': per_image['decoder'].mean().item(),
-            'images': len(total), 'model_calls_per_image': model_calls_per_image(timesteps, num_steps),
-            'estimate': f'Monte Carlo, {timesteps} stratified timesteps' if timesteps else 'full bound'}
-
-
-def bits_per_dim(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
-                 prediction: str = 'eps') -> dict:
-    images = reference_images(cfg.bpd_data, cfg.data_dir, config.image_size, split_train=False, flag='--bpd-data')
-    if len(images) < cfg.bpd_num:
-        print(f'--bpd-num {cfg.bpd_num}: {cfg.bpd_data} holds {len(images)} images to evaluate; bits/dim on all '
-              f'of them')
-    images = images[:cfg.bpd_num]
-    amp = 'off' if cfg.amp == 'auto' else cfg.amp  # the likelihood in fp32 unless asked otherwise
-    generator = torch.Generator(device).manual_seed(cfg.seed)
-    per_image = bits_per_image(model, sched, images, cfg.batch_size, device, generator, cfg.bpd_timesteps, amp,
-                               prediction=prediction)
-    return {**summarise_bits(per_image, cfg.bpd_timesteps, sched.num_steps), 'data': cfg.bpd_data}
-
-
-# ----------------------------------------------------------------------------- evaluation during training
-
-# The held-out loss's noise comes from its own generator, the same for every run and seed, and
-# never from the training streams: a resumed run and an uninterrupted one measure alike.
-HELDOUT_NOISE_SEED = 12345
-
-
-def make_heldout(cfg, device, num_steps: int) -> tuple:
-    """The held-out set of train.py's held-out loss: cfg.heldout_size fixed images, one timestep
-    each, spread evenly over 0..T-1, and noise from HELDOUT_NOISE_SEED."""
-    images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.heldout_size).to(device)
-    generator = torch.Generator().manual_seed(HELDOUT_NOISE_SEED)
-    t = (torch.arange(len(images)) * num_steps // len(images)).to(device)
-    noise = torch.randn(images.shape, generator=generator).to(device)
-    return images, t, noise
-
-
-@torch.no_grad()
-def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device) -> torch.Tensor:
-    """Per-image training loss on the fixed images, timesteps and noise (no flips, no dropout):
-    comparable across steps, runs and settings, since it is always L_simple, the eps MSE (a v
-    model's output is read as the eps it stands for; no Min-SNR weights). Returns (N,) on the CPU."""
-    was_training = model.training
-    model.eval()
-    eps_model = diffusion.as_eps_model(model, sched, cfg.prediction)
-    images, t, noise = heldout
-    losses = []
-    try:
-        for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
-            x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
-            if cfg.channels_last:
-                x0 = x0.contiguous(memory_format=torch.channels_last)
-            with autocast(cfg.amp, device):
-                losses.append(diffusion.training_loss(eps_model, sched, x0, t[chunk], noise[chunk], per_example=True))
-    finally:  # also when a stop cuts the evaluation short: training goes on in training mode
-        model.train(was_training)
-    return torch.cat(losses).cpu()
-
-
-def weights_problem(run, heldout, row: dict):
-    """Why train.py must not save the weights of `run` (a train.Run; None: it may): a non-finite
-    weight of the model or the EMA, or a non-finite held-out loss of either (from this step's log
-    row, or after a stop, which skips it, from one batch of the held-out set)."""
-    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
-        if module is not None and not torch.stack([p.isfinite().all() for p in module.parameters()]).all():
-            return f'non-finite {name}'
-    if heldout is None:
-        return None
-    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
-        loss = row.get(key)
-        if loss is None:
-            with own_rng(run.device):
-                few = tuple(x[:run.cfg.batch_size] for x in heldout)
-                loss = heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
-        if not math.isfinite(loss):
-            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
-    return None
-
-
-def evaluation_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of an evaluation's bits/dim draws: one stream per (run seed, step, rank), none of
-    them the training's (a function of the three alone, so a resumed run draws what it would have)."""
-    return int(np.random.SeedSequence([seed, step, rank, 1]).generate_state(1)[0])
-
-
-class Evaluator:
-    """FID of EMA samples (the digits score for digits) and a Monte Carlo estimate of the EMA's
-    bits/dim on held-out images, for train.py --eval-every. Every rank takes a share (batches of
-    samples, held-out images), so that none waits idle into a timeout; rank 0 gathers and returns
-    the row. The reference statistics are computed (or read from their cache) here, at the
-    start, so that a missing data set or Inception network shows before training, not after.
-    `run` is a train.Run."""
-
-    def __init__(self, run):
-        cfg, self.run = run.cfg, run
-        self.images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.eval_bpd_images)
-        self.extractor = self.reference = self.judge = None
-        self.fid_left_out = None  # why FID is left out (offline without Inception weights)
-        if cfg.eval_fid and cfg.dataset == 'digits':
-            self.judge = DigitsJudge(cfg.image_size, cfg.data_dir) if run.rank == 0 else None
-        elif cfg.eval_fid:
-            try:
-                self.extractor = inception_extractor(cfg.inception_weights, run.device)
-            except ConfigError as error:
-                if cfg.inception_weights:  # the user's file: its error stops the run, as in sample.py
-                    raise
-                self.fid_left_out = str(error)
-        if self.extractor is not None and run.rank == 0:
-            self.reference = reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, self.extractor,
-                                                  self.batch_size)
-        self.sampling = SampleConfig(num=cfg.eval_samples, batch_size=self.batch_size, sampler=cfg.sampler,
-                                     steps=cfg.sample_steps, seed=cfg.seed, amp='auto')
-
-    @property
-    def batch_size(self) -> int:
-        return max(self.run.cfg.batch_size // self.run.world_size, 1)
-
-    def due(self, step: int) -> bool:
-        """At the first step at or past each multiple of --eval-every images (so runs of any batch
-        size evaluate at the same image counts, and a resumed run keeps the schedule)."""
-        every, batch = self.run.cfg.eval_every, self.run.cfg.batch_size
-        return bool(every) and step * batch // every > (step - 1) * batch // every
-
-    def ema_on_every_rank(self) -> torch.nn.Module:
-        run = self.run
-        if run.world_size == 1:
-            return run.ema
-        ema = run.ema if run.rank == 0 else copy.deepcopy(run.model).eval()
-        for tensor in ema.state_dict().values():
-            dist.broadcast(tensor, src=0)
-        return ema
-
-    @torch.no_grad()
-    def __call__(self, step: int, train_hours: float) -> dict:
-        run, cfg = self.run, self.run.cfg
-        start = time.perf_counter()
-        ema = self.ema_on_every_rank()
-        generator = torch.Generator(run.device).manual_seed(evaluation_seed(cfg.seed, step, run.rank))
-        mine = self.images[run.rank::run.world_size]
-        bits = bits_per_image(ema, run.sched, mine, self.batch_size, run.device, generator,
-                              cfg.eval_bpd_timesteps, amp='off', progress=False, prediction=cfg.prediction)
-        features = None  # Inception features, or for digits the samples themselves (rank 0 judges them)
-        if self.extractor is not None or cfg.dataset == 'digits' and cfg.eval_fid:
-            samples = draw(ema, run.model.config, run.sched, self.sampling, run.device, progress=False,
-                           rank=run.rank, world_size=run.world_size, prediction=cfg.prediction)
-            features = features_of(samples, self.extractor).astype('float32') if self.extractor else torch.cat(
-                list(samples))
-        bits, features = gather_to_rank0((bits, features), run.rank, run.world_size, run.control_group)
-        if run.rank != 0:
-            return {}
-        row = {'kind': 'eval', 'step': step, 'images_seen': step * cfg.batch_size, 'train_hours': train_hours}
-        summary = summarise_bits({k: torch.cat([b[k] for b in bits]) for k in bits[0]},
-                                 cfg.eval_bpd_timesteps, run.sched.num_steps)
-        row.update(bpd=summary['bits_per_dim'], bpd_stderr=summary['stderr'], bpd_images=summary['images'],
-                   bpd_model_calls_per_image=summary['model_calls_per_image'])
-        steps = run.sched.num_steps if cfg.sampler == 'ddpm' else cfg.sample_steps
-        if self.extractor is not None:
-            stats = statistics(np.concatenate(features).astype('float64'))
-            row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
-                       fid_sampler=f'{cfg.sampler}-{steps}')
-        if self.judge is not None:
-            row.update(self.judge.score(self.judge.features(torch.cat(features))),
-                       digits_sampler=f'{cfg.sampler}-{steps}', digits_fd_floor=self.judge.floor['digits_fd'])
-        row['eval_seconds'] = time.perf_counter() - start
-        return row
-
-
-def write_curves(metrics_path: str, png_path: str):
-    """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
-    standard error) and FID (or the digits score, with its floor) against training images seen,
-    training hours on the top axis."""
-    import matplotlib.ticker
-    plt = pyplot()
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    train_rows = [r for r in rows if r.get('kind') == 'train']
-    eval_rows = [r for r in rows if r.get('kind') == 'eval']
-    panels = [('loss', train_rows)]
-    panels += [(name, eval_rows) for name in ('bpd', 'fid', 'digits_fd') if any(name in r for r in eval_rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    for ax, (name, source) in zip(axes[0], panels):
-        if name == 'loss':
-            for key, label in (('loss', 'training loss'), ('heldout_loss', 'held-out loss'),
-                               ('heldout_loss_ema', 'held-out loss, EMA')):
-                points = [(r['images_seen'], r[key]) for r in source if r.get(key) is not None]
-                if points:
-                    ax.plot(*zip(*points), marker='.', label=label)
-            if ax.lines:
-                ax.set_yscale('log')
-                ax.legend(fontsize=8)
-        else:
-            points = [r for r in source if r.get(name) is not None]
-            errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
-            ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
-                        capsize=3)
-            if name == 'digits_fd' and points:
-                ax.axhline(points[-1]['digits_fd_floor'], color='gray', linestyle=':', label='floor (held-out digits)')
-                ax.set_yscale('log')
-                ax.legend(fontsize=8)
-        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)',
-                       'digits_fd': 'digits FD (classifier features)'}[name])
-        ax.set_xlabel('training images seen')
-        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
-        ax.grid(alpha=0.3)
-        add_hours_axis(ax, rows)
-    save_figure(fig, png_path)
-
-
-def add_hours_axis(ax, rows: list):
-    """Training time (evaluation, grids and checkpoints left out) as a top axis: hours, or minutes
-    for a run shorter than two hours."""
-    import matplotlib.ticker
-    latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
-    for r in rows:
-        if r.get('train_hours') is not None and 'images_seen' in r:
-            latest[r['images_seen']] = max(r['train_hours'], latest.get(r['images_seen'], 0.0))
-    pairs, top_hours = [], -1.0
-    for images_seen, hours in sorted(latest.items()):
-        if hours > top_hours:
-            pairs.append((images_seen, hours))
-            top_hours = hours
-    if len(pairs) < 2:
-        return
-    images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
-    unit, scale = ('minutes', 60.0) if hours[-1] < 2 else ('hours', 1.0)  # a CPU demo runs for minutes
-    times = hours * scale
-    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, times),
-                                               lambda h: np.interp(h, times, images)))
-    top.set_xlabel(f'training {unit}', fontsize=8)
-    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5, integer=unit == 'minutes'))
-
-
 # ----------------------------------------------------------------------------- main
 
 def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -> SampleConfig:
@@ -831,6 +308,9 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
         elif data.channels_of(value) != config.in_channels:
             raise ConfigError(f'--{name.replace("_", "-")} {value}: its images have {data.channels_of(value)} '
                               f'channel(s), the model draws {config.in_channels}')
+    if cfg.fid_stats and cfg.fid_data == 'digits':
+        raise ConfigError(f'--fid-stats {cfg.fid_stats}: the digits score reads no Inception statistics (its '
+                          f'reference is the digit classifier\'s features of the training split); drop the flag')
     if cfg.sampler != 'ddpm' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
@@ -919,17 +399,6 @@ def main(cfg: SampleConfig) -> dict:
         result['fid'] = frechet_distance(fake, reference)
         print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
     return result
-
-
-def digits_summary(score: dict) -> str:
-    """The digits score in one paragraph, its floor beside it and the feature space named."""
-    floor = score['floor']
-    return (f"digits score of {score['digits_samples']} samples, in the features of a digit classifier (not "
-            f"Inception: no FID), against the training split: FD {score['digits_fd']:.2f} (floor, the held-out "
-            f"real digits: {floor['digits_fd']:.2f}), KID {score['digits_kid']:.1f} +- {score['digits_kid_std']:.1f} "
-            f"(floor {floor['digits_kid']:.1f}); {score['digits_confident']:.1%} labelled with p >= {CONFIDENT} "
-            f"(floor {floor['digits_confident']:.1%}); label entropy {score['digits_class_entropy']:.2f} bits "
-            f"(balanced: 3.32); {score['digits_features']}")
 
 
 def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, prediction: str) -> dict:

@@ -2,15 +2,13 @@
 
 Single process:  python train.py --dataset digits --preset tiny --image-size 16 --epochs 20 --device cpu
 Multi-GPU (DDP): torchrun --nproc_per_node 8 train.py --batch-size 1024
-Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 1 a write failed
-(a full disk), 2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a
-second Ctrl-C.
+Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 1 a write failed,
+2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a second Ctrl-C.
 
-The file reads in the order a run happens: the config, the learning-rate and EMA schedules,
-building the run, the training step, the loop, main. What a researcher rarely edits (defaults
-and validation, the loop's logging, evaluation and checkpoint calls) is below the line marked
-"bookkeeping"; the checkpoint format and resume rules are checkpoint.py's, the metrics writer
-and training clock metrics.py's.
+The file reads in the order a run happens: config, lr and EMA schedules, building the run, the
+step, the loop, main. Defaults, validation and the loop's logging, evaluation and checkpoint calls
+sit below the line marked "bookkeeping"; the checkpoint format is checkpoint.py's, the metrics
+writer metrics.py's, the evaluation evaluation.py's.
 """
 import contextlib
 import copy
@@ -20,7 +18,6 @@ import math
 import os
 import shlex
 import sys
-import time
 import typing
 from dataclasses import asdict, dataclass
 
@@ -29,13 +26,17 @@ import torch.distributed as dist
 
 import data
 import diffusion
+import evaluation
 import metrics
 import sample
 from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, resume_settings,
                         save_checkpoint, warn_of_changes)
-from cli import (ConfigError, StopFlag, StopRequested, any_rank, autocast, brief, changed_fields, check_ranges,
-                 check_writable, claim_folder, flag, gather_to_rank0, given_fields, init_process_group, on_all_ranks,
-                 own_rng, parse_config, pick_device, ranks_identical, refused_as, run_main, setup_distributed)
+from cli import (ConfigError, StopFlag, StopRequested, brief, changed_fields, check_ranges, flag, given_fields,
+                 parse_config, refused_as, run_main)
+from devices import autocast, cpu_has_native_bf16, own_rng, pick_device
+from distributed import (agreed_stop, any_rank, gather_to_rank0, init_process_group, on_all_ranks, ranks_identical,
+                         setup_distributed)
+from files import check_writable, claim_folder
 from model import MODEL_VERSION, PRESETS, UNet, get_config
 
 NUM_TIMESTEPS = 1000  # T of the paper; every schedule has this many steps
@@ -75,7 +76,8 @@ class TrainConfig:
     compile: bool | None = flag(None, 'torch.compile the whole training loss as one graph: timesteps, noise, '
                                       'q_sample, the model, the MSE (default: on for CUDA)')
     compile_mode: str = flag('default', 'torch.compile mode', choices=COMPILE_MODES)
-    amp: str = flag('auto', 'autocast (auto: bf16 on CUDA, off on CPU)', choices=('auto', 'off', 'bf16', 'fp16'))
+    amp: str = flag('auto', 'autocast (auto: bf16 on CUDA; on a CPU, CPU_FAST_PATH where it has native bf16, '
+                            'else off)', choices=('auto', 'off', 'bf16', 'fp16'))
     channels_last: bool | None = flag(None, 'NHWC memory format (default: on for CUDA)')
     fused_adam: bool | None = flag(None, 'fused Adam kernel (default: on for CUDA)')
     loader: str = flag('auto', 'data path (auto: gpu when the set fits on the GPU, else torch)', choices=data.LOADERS)
@@ -116,6 +118,9 @@ class TrainConfig:
 # Where a flag is not given: the paper's recipe, except for the tiny CPU demo model, which
 # learns faster with a larger learning rate, a short warm-up and a smaller batch.
 PAPER_TRAINING = {'lr': 2e-4, 'warmup': 5000, 'batch_size': 128}
+# What --amp/--compile/--channels-last/--fused-adam auto turn on on a CPU that computes bf16 natively
+# (cpu_has_native_bf16), as measured by scripts/time_to_quality.py (docs/training.md); fp32 without it.
+CPU_FAST_PATH = {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': False}
 PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
 
 
@@ -203,10 +208,12 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
                flags or {})
 
 
-def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0) -> dict:
+def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0,
+                     wall_seconds: float = 0.0) -> dict:
     """The checkpoint (its format: checkpoint.py). Every rank must call it: rank 0
     gathers the RNG states of all ranks. eval_owed: an evaluation due at this step did not run (a
-    stop came first); train_seconds: the training time so far, counted on by a resumed run."""
+    stop came first); train_seconds, wall_seconds: the training and the loop's wall time so far,
+    counted on by a resumed run."""
     rng = {'cpu': torch.get_rng_state(),
            'cuda': torch.cuda.get_rng_state(run.device) if run.device.type == 'cuda' else None}
     (rng_all,) = gather_to_rank0((rng,), run.rank, run.world_size, run.control_group)  # rank 0 saves
@@ -215,7 +222,8 @@ def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds
             'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
             'epoch': epoch, 'batch_in_epoch': batch, 'config': asdict(run.cfg),
             'model_config': asdict(run.model.config), 'model_version': MODEL_VERSION, 'rng': rng_all,
-            'data': run.data_identity, 'eval_owed': eval_owed, 'train_seconds': train_seconds, 'flags': run.flags}
+            'data': run.data_identity, 'eval_owed': eval_owed, 'train_seconds': train_seconds,
+            'wall_seconds': wall_seconds, 'flags': run.flags}
 
 
 def restore(run: Run, ckpt: dict) -> int:
@@ -294,13 +302,14 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     total_steps = cfg.steps or cfg.epochs * per_epoch
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     last_good = f'{cfg.resume} (step {step}, resumed from)' if cfg.resume else None
-    loss_sum, unlogged, stopped, row, start = torch.zeros((), device=run.device), 0, None, {}, time.perf_counter()
+    loss_sum, unlogged, stopped, row = torch.zeros((), device=run.device), 0, None, {}
+    log.start_loop()
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
         eval_owed = not evaluate(run, evaluator, log, step)
         if step >= total_steps:  # resumed at the target only for it
             save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
-            return finish_run(run, step, run.stop.reason if eval_owed else None, log, ckpt_path, 0.0)
+            return finish_run(run, step, run.stop.reason if eval_owed else None, log, ckpt_path)
     try:
         for x0 in batches(run, step):
             # Step.
@@ -308,7 +317,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
             step, unlogged = step + 1, unlogged + 1
             log.after_step()
             at_end = step >= total_steps
-            stopped = run.stop.agreed(run.control_group, ask=step % 10 == 0 or at_end)
+            stopped = agreed_stop(run.stop, run.control_group, ask=step % 10 == 0 or at_end)
             eval_owed = eval_owed or (evaluator is not None and evaluator.due(step))
             must_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or at_end or stopped
             # Log: the interval's mean loss (its one host sync; never past a non-finite loss).
@@ -333,7 +342,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
                 write_sample_grid(run, log, os.path.join(cfg.samples_dir, f'epoch_{step // per_epoch:04d}.png'), step)
     finally:
         log.bar.close()
-    return finish_run(run, step, stopped, log, ckpt_path, time.perf_counter() - start)
+    return finish_run(run, step, stopped, log, ckpt_path)
 
 
 # ----------------------------------------------------------------------------- main
@@ -370,7 +379,8 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
             if ckpt is not None:
                 check_same_data(ckpt, f'--resume {cfg.resume}', run.data_identity, cfg.data_dir)
             step = restore(run, ckpt) if ckpt else 0
-            log, heldout, evaluator = start_logging(run, step, ckpt.get('train_seconds', 0.0) if ckpt else 0.0)
+            log, heldout, evaluator = start_logging(run, step, *(ckpt.get(key, 0.0) if ckpt else 0.0
+                                                                 for key in ('train_seconds', 'wall_seconds')))
         return train(run, step, log, heldout, evaluator, eval_owed=bool(ckpt and ckpt.get('eval_owed')))
     except StopRequested:
         print(f'stopped by {stop.reason} before training started: nothing to save', flush=True)
@@ -386,6 +396,16 @@ def cli(argv=None) -> int:
     return run_main(main, parse_config(argv, TrainConfig, __doc__), given_fields(argv, TrainConfig))
 
 
+def check_flags(argv: list) -> TrainConfig:
+    """The config train.py would run from these flags, resolved for its device, or the ConfigError it
+    would stop with, without running anything: for scripts that plan runs of it."""
+    cfg = parse_config(argv, TrainConfig, __doc__)
+    device = pick_device(cfg.device, 0)
+    cfg = resolve_defaults(cfg, device)
+    validate(cfg, device, 1)
+    return cfg
+
+
 # ============================================================================= bookkeeping
 # Below: what the run needs but a researcher rarely edits.
 
@@ -397,14 +417,17 @@ class NonFiniteLoss(Exception):
 # ----------------------------------------------------------------------------- defaults and validation
 
 def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
-    """Fills the 'auto' and None fields: the fast path on CUDA, plain fp32 eager on CPU."""
+    """Fills the 'auto' and None fields: the fast path on CUDA; on a CPU, CPU_FAST_PATH where it
+    computes bf16 natively, else plain fp32 eager."""
     cuda = device.type == 'cuda'
+    fast_cpu = CPU_FAST_PATH if not cuda and cpu_has_native_bf16() else {}
     defaults = {**PAPER_TRAINING, **PRESET_TRAINING.get(cfg.preset, {}), 'dropout': PRESETS[cfg.preset].dropout,
-                'compile': cuda, 'channels_last': cuda, 'fused_adam': cuda,
+                **{name: cuda or fast_cpu.get(name, False) for name in ('compile', 'channels_last', 'fused_adam')},
                 'snr_gamma': 5.0 if cfg.loss_weight == 'min-snr' else None,
                 'eval_samples': 450 if cfg.dataset == 'digits' else 10000}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
-    cfg.amp = ('bf16' if cuda and torch.cuda.is_bf16_supported() else 'off') if cfg.amp == 'auto' else cfg.amp
+    if cfg.amp == 'auto':
+        cfg.amp = ('bf16' if torch.cuda.is_bf16_supported() else 'off') if cuda else fast_cpu.get('amp', 'off')
     if cfg.loader == 'ffcv' and cfg.dataset == 'digits':
         raise ConfigError('--loader ffcv reads a .beton, whose images are RGB: digits (one channel) train with '
                           '--loader gpu or torch')
@@ -427,7 +450,10 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
         raise ConfigError(f'--amp fp16 needs a CUDA device ({device} has no fast fp16 training); use --amp bf16 or off')
     if cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
         raise ConfigError('--amp bf16: this GPU does not support bf16; use --amp fp16')
-    sample.check_inception_weights(cfg.inception_weights)
+    if cfg.amp == 'bf16' and device.type == 'cpu' and not cpu_has_native_bf16():
+        raise ConfigError('--amp bf16: this CPU has no native bf16 (AVX512-BF16 or AMX), so autocast would emulate '
+                          'it, slower than fp32; use --amp off')
+    evaluation.check_inception_weights(cfg.inception_weights)
     if cfg.init_from and not resuming and not os.path.exists(cfg.init_from):
         raise ConfigError(f'--init-from {cfg.init_from}: no such checkpoint or folder')
     if cfg.tensorboard and importlib.util.find_spec('tensorboard') is None:
@@ -443,7 +469,7 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
 
 def claim_outputs(cfg: TrainConfig, rank: int, fresh: bool):
     """The output folders checked writable before any work, and --out-dir claimed for this run
-    (rank 0: cli.claim_folder). A fresh run in a folder whose earlier run left metrics but no
+    (rank 0: files.claim_folder). A fresh run in a folder whose earlier run left metrics but no
     checkpoint starts its own metrics.jsonl; the old one is kept. Returns the lock's release."""
     if cfg.sample_every:
         check_writable(cfg.samples_dir, '--samples-dir')
@@ -486,7 +512,7 @@ def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float
             try:
                 with run.stop.interruptible(), own_rng(run.device):
                     for key, model in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
-                        row[key] = sample.heldout_losses(model, run.sched, heldout, run.cfg, run.device).mean().item()
+                        row[key] = evaluation.heldout_losses(model, run.sched, heldout, run.cfg, run.device).mean().item()
             except StopRequested:  # cut short by a stop: the row without them
                 row.pop('heldout_loss', None)
     log.write(row)
@@ -497,7 +523,7 @@ def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float
 
 
 def evaluate(run: Run, evaluator, log, step: int) -> bool:
-    """An evaluation row (sample.Evaluator); False if a stop cut it short (in one process; under
+    """An evaluation row (evaluation.Evaluator); False if a stop cut it short (in one process; under
     DDP the ranks are inside its collectives, so it finishes)."""
     hours = log.training_seconds() / 3600
     with log.paused():
@@ -523,12 +549,12 @@ def save_if_good(run: Run, step: int, log, eval_owed: bool, path: str, heldout, 
     """The checkpoint of this step, once proven good; a broken model stops the run instead, and
     the last good checkpoint stays (every rank agrees)."""
     with log.paused():
-        problem = sample.weights_problem(run, heldout, row)
+        problem = evaluation.weights_problem(run, heldout, row)
         if any_rank(problem is not None, run.control_group):
             raise NonFiniteLoss(f"at step {step}: {problem or 'a problem on another rank'}; stopping without a "
                                 f"checkpoint. " + (f'The last good checkpoint is {last_good}.' if last_good
                                                    else 'No checkpoint was written by this run.'))
-        state = checkpoint_state(run, step, eval_owed, log.training_seconds())
+        state = checkpoint_state(run, step, eval_owed, log.training_seconds(), log.wall_seconds())
         if run.rank == 0:
             save_checkpoint(state, path)
 
@@ -550,7 +576,7 @@ def write_sample_grid(run: Run, log, path: str, step: int):
                       file=sys.stderr)
 
 
-def finish_run(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float) -> dict:
+def finish_run(run: Run, step: int, stopped, log, ckpt_path: str) -> dict:
     """The end of a run: the DDP weight check, and (unless stopped by a signal) the last grid."""
     cfg = run.cfg
     if run.world_size > 1:
@@ -573,22 +599,23 @@ def finish_run(run: Run, step: int, stopped, log, ckpt_path: str, seconds: float
     last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
     losses = ', '.join(f'{name} {last[key]:.4f}' for key, name in (('loss', 'loss'), ('heldout_loss', 'held-out loss'),
                                                                     ('heldout_loss_ema', 'EMA')) if key in last)
+    seconds = log.wall_seconds()
     log.write({'kind': 'done', 'step': step, 'wall_s': seconds, 'train_seconds': log.training_seconds()})
     log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
     return result
 
 
-def start_logging(run: Run, step: int, train_seconds: float) -> tuple:
+def start_logging(run: Run, step: int, train_seconds: float, wall_seconds: float = 0.0) -> tuple:
     """(Metrics, the held-out set, the Evaluator or None). Their start-up work (held-out images,
     Inception network, reference statistics) runs on every rank or on rank 0; if it fails on
     any rank, every rank stops with an error instead of leaving the others in a collective."""
     cfg = run.cfg
 
     def make():  # the progress bar last: an error before it is one clean line
-        heldout = sample.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
-        evaluator = sample.Evaluator(run) if cfg.eval_every else None
+        heldout = evaluation.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
+        evaluator = evaluation.Evaluator(run) if cfg.eval_every else None
         total_steps = cfg.steps or cfg.epochs * run.loader.batches_per_epoch
-        return metrics.Metrics(run, step, total_steps, train_seconds), heldout, evaluator
+        return metrics.Metrics(run, step, total_steps, train_seconds, wall_seconds), heldout, evaluator
     with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
         log, heldout, evaluator = on_all_ranks(make, run.control_group)
     if evaluator is not None and evaluator.fid_left_out:

@@ -14,8 +14,10 @@ from torchvision.utils import make_grid
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import diffusion  # noqa: E402
+import drawing  # noqa: E402
 import sample  # noqa: E402
-from cli import ConfigError, atomic_open, check_ranges, check_writable, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from files import atomic_open, check_creatable, check_writable  # noqa: E402
 
 
 @dataclass
@@ -35,14 +37,15 @@ def draw_figure(args: FigureConfig):
         raise ConfigError('--ckpt is required: a checkpoint of a digits run')
     if not args.out.lower().endswith('.png') or os.path.isdir(args.out):
         raise ConfigError(f'--out {args.out}: a file name ending in .png')
-    check_writable(os.path.dirname(args.out) or '.', '--out')
+    check_creatable(os.path.dirname(args.out) or '.', '--out')  # created only once the checkpoint is proven good
     model, config, sched, prediction = sample.load_model(args.ckpt, 'ema', torch.device('cpu'))
     if config.in_channels != 1:
         raise ConfigError(f'--ckpt {args.ckpt}: a model of {config.in_channels}-channel images; the figure sets a '
                           f'digits model (one channel) beside real digits')
+    check_writable(os.path.dirname(args.out) or '.', '--out')
     shape = (64, config.in_channels, config.image_size, config.image_size)
     with torch.no_grad():
-        drawn = sample.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, torch.Generator().manual_seed(0),
+        drawn = drawing.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, torch.Generator().manual_seed(0),
                                                       prediction=prediction))
     real = data.load_digits_split(config.image_size, heldout=True)[0][:64]
     grids = [make_grid(images.float() / 255, nrow=8, padding=1, pad_value=0.5) for images in (drawn, real)]

@@ -13,9 +13,11 @@ from torchvision.transforms.functional import gaussian_blur
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
-import sample  # noqa: E402
-from cli import (check_ranges, check_writable, device_name, flag, markdown_table, parse_config,  # noqa: E402
-                 provenance, run_main, write_report)
+import evaluation  # noqa: E402
+from cli import check_ranges, flag, parse_config, run_main  # noqa: E402
+from devices import device_name  # noqa: E402
+from files import check_creatable, check_writable  # noqa: E402
+from reports import markdown_table, provenance, write_report  # noqa: E402
 
 
 @dataclass
@@ -52,8 +54,9 @@ def main(argv=None) -> int:
 
 def check_the_score(args: ScoreCheckConfig):
     check_ranges(args)
+    check_creatable(args.out_dir, '--out-dir')  # created once the classifier (cached in --data-dir) is there
+    judge = evaluation.DigitsJudge(args.image_size, args.data_dir)
     check_writable(args.out_dir, '--out-dir')
-    judge = sample.DigitsJudge(args.image_size, args.data_dir)
     rows = []
     for name, images in damaged_sets(args.image_size):
         rows.append({'set': name, **judge.score(judge.features(images))})

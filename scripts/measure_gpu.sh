@@ -41,6 +41,10 @@ out=$2
 quick=${3:-}
 [ -n "$out" ] && { [ ! -e "$out" ] || [ -d "$out" ]; } || {
   echo "error: OUT_DIR '$out' must be a folder (it is created if missing)" >&2; exit 2; }
+parent=$out  # the nearest existing folder must take the output (checked without creating anything)
+while [ ! -e "$parent" ]; do parent=$(dirname "$parent"); done
+[ -d "$parent" ] && [ -w "$parent" ] && [ -x "$parent" ] || {
+  echo "error: OUT_DIR '$out': cannot write there ($parent is not a writable folder)" >&2; exit 2; }
 PINNED=(diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0)
 DEFAULT_ROWS="Baseline,Scale up,torch.compile,SDPA,Mixed precision,Channels-last,Fused Adam,FFCV,resident data"
 export PYTHONUNBUFFERED=1

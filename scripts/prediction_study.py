@@ -22,9 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train  # noqa: E402
-from cli import (ConfigError, atomic_open, check_creatable, check_plain_name, check_ranges,  # noqa: E402
-                 check_writable, device_name, flag, format_or_na, markdown_table, parse_config, provenance,
-                 pyplot, run_main, save_figure, write_report)
+from cli import ConfigError, check_plain_name, check_ranges, flag, parse_config, run_main  # noqa: E402
+from devices import device_name  # noqa: E402
+from files import atomic_open, check_creatable, check_writable  # noqa: E402
+from reports import format_or_na, markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
 
 
 @dataclass
@@ -131,7 +132,7 @@ def reach_summary(reach: list, paper_reach: list, sd) -> dict:
 
 
 def report(curves: dict, summary: dict, args):
-    """The table (JSON and Markdown, through cli.write_report) and the curves' plot."""
+    """The table (JSON and Markdown, through reports.write_report) and the curves' plot."""
     def reach(r):  # images (seeds that reach the target), ratio to the recipe's at the same seed
         return [f"{format_or_na(r['images_mean'], ',.0f')} ({r['reached']})",
                 f"{format_or_na(r['ratio_mean'], '.2f')} +- {format_or_na(r['ratio_sd'], '.2f')} (n={r['ratios']})"]

@@ -18,8 +18,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import diffusion  # noqa: E402
 import sample  # noqa: E402
-from cli import (check_plain_name, check_ranges, check_writable, flag, format_or_na, markdown_table,  # noqa: E402
-                 parse_config, pick_device, provenance, pyplot, run_main, save_figure, write_report)
+from cli import check_plain_name, check_ranges, flag, parse_config, run_main  # noqa: E402
+from devices import pick_device  # noqa: E402
+from files import check_writable  # noqa: E402
+from reports import format_or_na, markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
 
 
 @dataclass

@@ -19,10 +19,11 @@ def root():
 def shapes_fid_stats(tmp_path_factory):
     """The FID reference statistics of `shapes` at 16x16 under the stand-in extractor, computed
     once (50,000 shapes take seconds to draw) for the tests that train with FID evaluations."""
-    import sample
     from helpers import stand_in_extractor
+
+    import evaluation
     folder = tmp_path_factory.mktemp('fid-stats')
-    sample.reference_statistics('shapes', str(folder), 16, stand_in_extractor, 1000)
+    evaluation.reference_statistics('shapes', str(folder), 16, stand_in_extractor, 1000)
     return folder / 'fid_stats_shapes_16.npz'
 
 

@@ -12,14 +12,16 @@ import time
 
 import pytest
 import torch
+from helpers import NO_DIFFUSERS, refusal
 
 import benchmark
 import data
+import devices
 import diffusion
 import roofline
+import timing
 import train
 from model import PRESETS, get_config
-from helpers import NO_DIFFUSERS, refusal
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
@@ -118,6 +120,7 @@ def test_the_recipe_step_is_the_diffusers_examples_step():
     # hyperparameters and EMA: 3 steps, bf16 autocast, bit for bit (loss, logged values, weights, EMA, lr).
     pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     import copy
+
     from diffusers import DDPMScheduler, UNet2DModel
     from diffusers.optimization import get_scheduler
     from diffusers.training_utils import EMAModel
@@ -166,10 +169,10 @@ def test_the_recipe_trains_from_the_images_as_files(tmp_path):
     # image, maybe mirrored, in [-1, 1]; every image once per epoch.
     images = data.make_shapes(12, 16)
     bench = benchmark.BenchConfig(data_dir=str(tmp_path), image_size=16)
-    folder = benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images))
+    folder = timing.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images))
     assert sorted(os.listdir(folder)) == ['images'] and len(os.listdir(os.path.join(folder, 'images'))) == 12
     written = os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns
-    assert benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images)) == folder
+    assert timing.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images)) == folder
     assert os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns == written  # written once
     loader = benchmark.recipe_loader(folder, 16, 4, num_workers=0)
     mirrored, orders = 0, []
@@ -203,11 +206,11 @@ def test_the_recipe_images_are_written_whole_or_not_at_all(tmp_path, monkeypatch
         real(image, path)
     monkeypatch.setattr(torchvision.io, 'write_png', dies_after_five)
     with pytest.raises(KeyboardInterrupt):
-        benchmark.image_folder_for(bench, 'shapes', images)
+        timing.image_folder_for(bench, 'shapes', images)
     assert os.listdir(tmp_path) == []  # no folder of five images, no temporary one
     monkeypatch.setattr(torchvision.io, 'write_png', real)
     (tmp_path / f'{folder.name}.tmp-999999999').mkdir()  # what a writer killed by SIGKILL leaves (a dead pid)
-    assert benchmark.image_folder_for(bench, 'shapes', images) == str(folder)
+    assert timing.image_folder_for(bench, 'shapes', images) == str(folder)
     assert sorted(os.listdir(folder / 'images')) == [f'{i:06d}.png' for i in range(12)]
     assert os.listdir(tmp_path) == [folder.name]
     assert oct(os.stat(folder).st_mode & 0o777) == oct(0o755)  # readable by the data folder's other users
@@ -219,11 +222,11 @@ def test_two_benchmarks_on_one_data_dir_share_the_recipe_images(tmp_path, root):
     script = f"""
 import sys, time
 sys.path.insert(0, {root!r})
-import torchvision.io, benchmark, data
+import torchvision.io, benchmark, data, timing
 real = torchvision.io.write_png
 torchvision.io.write_png = lambda image, path: (time.sleep(0.05), real(image, path))
 bench = benchmark.BenchConfig(data_dir={str(tmp_path)!r}, image_size=16)
-print(benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(data.make_shapes(12, 16))))
+print(timing.image_folder_for(bench, 'shapes', data.ImageTensorDataset(data.make_shapes(12, 16))))
 """
     writers = [subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=300)[0].strip().splitlines()[-1] for w in writers]
@@ -235,7 +238,7 @@ print(benchmark.image_folder_for(bench, 'shapes', data.ImageTensorDataset(data.m
 @pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
 def test_profile_and_sampling(campaign):
     profile = load(campaign, 'profile')
-    assert profile['row'] == benchmark.start_row(benchmark.BenchConfig(), torch.device('cpu')).name
+    assert profile['row'] == timing.start_row(benchmark.BenchConfig(), torch.device('cpu')).name
     categories = profile['categories']
     assert all(categories[name]['measured_ms'] > 0 for name in ('convolution and matmul', 'normalisation', 'attention',
                                                                  'optimizer and EMA'))
@@ -339,11 +342,11 @@ def test_compile_rows_compile_the_network_or_the_whole_loss(monkeypatch):
         bench = benchmark.resolve(benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16,
                                                         batch_size=4, big_batch=8, compile_backend=backend,
                                                         num_workers=0), cpu)
-        network_row, loss_row = [r for r in benchmark.ladder(bench, cpu) if r.compile][:2]
+        network_row, loss_row = [r for r in timing.ladder(bench, cpu) if r.compile][:2]
         assert (network_row.compile_scope, loss_row.compile_scope) == ('model', 'loss')
         for row in (network_row, loss_row):
-            cfg = benchmark.row_train_config(row, bench, cpu, 'shapes')
-            run = benchmark.build_row_run(cfg, bench, cpu, dataset, compile_scope=row.compile_scope)
+            cfg = timing.row_train_config(row, bench, cpu, 'shapes')
+            run = timing.build_row_run(cfg, bench, cpu, dataset, compile_scope=row.compile_scope)
             function, options = calls[-1]
             if row is network_row:
                 assert function is run.model and options == {'mode': None, **expected}
@@ -364,14 +367,15 @@ def test_every_mode_builds_a_row_with_its_compile_scope(tmp_path, monkeypatch):
     def spy(row_cfg, bench, device, dataset, make_model=None, compile_scope='loss'):
         scopes.append(compile_scope)
         raise RuntimeError('stop here')
-    monkeypatch.setattr(benchmark, 'build_row_run', spy)
+    for module in (timing, benchmark):  # the ladder's rows, and the quality check's and the profile's
+        monkeypatch.setattr(module, 'build_row_run', spy)
     cpu = torch.device('cpu')
     bench = benchmark.BenchConfig(device='cpu', preset='tiny', quick=True, image_size=16, batch_size=4, big_batch=8,
                                   data_dir=str(tmp_path), from_row='the network')
     dataset = data.ImageTensorDataset(data.make_shapes(64, 16))
-    row = benchmark.start_row(bench, cpu)
+    row = timing.start_row(bench, cpu)
     assert row.compile_scope == 'model'
-    assert 'stop here' in benchmark.measure_row(row, bench, cpu, dataset, 'shapes', {})['failed']
+    assert 'stop here' in timing.measure_row(row, bench, cpu, dataset, 'shapes', {})['failed']
     with pytest.raises(RuntimeError, match='stop here'):
         benchmark.train_for_quality(row, bench, cpu, dataset, 'shapes', 0)
     with pytest.raises(RuntimeError, match='stop here'):
@@ -380,13 +384,13 @@ def test_every_mode_builds_a_row_with_its_compile_scope(tmp_path, monkeypatch):
 
 
 def test_a_failing_row_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
-    real = benchmark.build_row_run
+    real = timing.build_row_run
 
     def broken_on_batch_8(row_cfg, *args, **kwargs):
         if row_cfg.batch_size == 8:
             raise RuntimeError('inductor: something went wrong\n' + 'x' * 1000)
         return real(row_cfg, *args, **kwargs)
-    monkeypatch.setattr(benchmark, 'build_row_run', broken_on_batch_8)
+    monkeypatch.setattr(timing, 'build_row_run', broken_on_batch_8)
     result = benchmark.main(['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path),
                              '--data-dir', str(tmp_path / 'data'), '--rows', 'Baseline,Scale up', '--no-peer',
                              '--no-sampling', '--batch-size', '4', '--big-batch', '8'])
@@ -398,10 +402,10 @@ def test_a_failing_row_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
 
 def test_start_row_of_the_other_modes():
     cpu = torch.device('cpu')
-    assert benchmark.start_row(benchmark.BenchConfig(), cpu).name.startswith('Device-resident data')
-    assert benchmark.start_row(benchmark.BenchConfig(from_row='sdpa'), cpu).name == 'PyTorch SDPA'
+    assert timing.start_row(benchmark.BenchConfig(), cpu).name.startswith('Device-resident data')
+    assert timing.start_row(benchmark.BenchConfig(from_row='sdpa'), cpu).name == 'PyTorch SDPA'
     with pytest.raises(benchmark.train.ConfigError, match='matches no row'):
-        benchmark.start_row(benchmark.BenchConfig(from_row='warp drive'), cpu)
+        timing.start_row(benchmark.BenchConfig(from_row='warp drive'), cpu)
 
 
 def test_categories():
@@ -417,20 +421,20 @@ def test_categories():
 def test_mfu_uses_the_row_precision_and_overrides():
     bench = benchmark.BenchConfig(peak_tflops=100.0, peak_tflops_fp32=10.0)
     cpu = torch.device('cpu')
-    assert benchmark.peak_for('bf16', cpu, bench) == 100.0
-    assert benchmark.peak_for('tf32', cpu, bench) == 10.0
-    assert benchmark.peak_for('bf16', cpu, benchmark.BenchConfig()) is None
+    assert timing.peak_for('bf16', cpu, bench) == 100.0
+    assert timing.peak_for('tf32', cpu, bench) == 10.0
+    assert timing.peak_for('bf16', cpu, benchmark.BenchConfig()) is None
     flops = {'train': 1e9, 'torchinfo_train': 0.9e9}
     row_cfg = benchmark.train.TrainConfig(batch_size=100, amp='bf16')
-    described = benchmark.throughput({'ms_per_iter': 10.0, 'peak_mem_gb': None}, row_cfg, bench, cpu, flops)
+    described = timing.throughput({'ms_per_iter': 10.0, 'peak_mem_gb': None}, row_cfg, bench, cpu, flops)
     assert described['img_per_s'] == pytest.approx(10_000)
     assert described['tflops'] == pytest.approx(10.0)
     assert described['mfu'] == pytest.approx(0.1)
     assert described['mfu_a100'] == pytest.approx(10.0 / 312)
-    fp32 = benchmark.throughput({'ms_per_iter': 10.0, 'peak_mem_gb': None},
+    fp32 = timing.throughput({'ms_per_iter': 10.0, 'peak_mem_gb': None},
                               benchmark.train.TrainConfig(batch_size=100, amp='off'), bench, cpu, flops)
     assert fp32['precision'] == 'fp32' and fp32['mfu_a100'] == pytest.approx(10.0 / 19.5)
-    assert benchmark.A100_PEAK_TFLOPS['tf32'] == 156.0  # a TF32 row is held against the TF32 peak
+    assert devices.A100_PEAK_TFLOPS['tf32'] == 156.0  # a TF32 row is held against the TF32 peak
 
 
 @pytest.mark.parametrize('extra, expected', [
@@ -447,9 +451,18 @@ def test_mfu_uses_the_row_precision_and_overrides():
     (['--stem', '../../x'], 'a plain file name'),
     (['--seed', '-1'], '--seed must be in [0, 4294967295]'),
     (['--peak-tflops', '0'], '--peak-tflops must be a positive number'),
-    (['--sweep-values', '4'], '--sweep-values is read only by --sweep'),
-    (['--steps', '5', '--profile'], '--steps is read only by --quality'),
-    (['--gpu', 'h200'], '--gpu is read only by --roofline and --profile'),
+    (['--sweep-values', '4'], '--sweep-values is not read by the ladder (no mode flag); it is read only by --sweep'),
+    (['--steps', '5', '--profile'], '--steps is not read by --profile on a CPU; it is read only by --quality'),
+    (['--gpu', 'h200'], '--gpu is not read by the ladder (no mode flag); it is read only by --roofline, --profile'),
+    # a mode refuses every flag it does not read (MODE_READS), not only a hand-picked few
+    (['--roofline', '--rows', 'Baseline'], '--rows is not read by --roofline'),
+    (['--roofline', '--iters', '3'], '--iters is not read by --roofline'),
+    (['--roofline', '--sample-batch', '4'], '--sample-batch is not read by --roofline'),
+    (['--roofline', '--no-peer'], '--no-peer is not read by --roofline'),
+    (['--roofline', '--profile', '--bandwidth-gbs', '100'], '--bandwidth-gbs is not read by --profile on a CPU'),
+    (['--roofline', '--profile', '--peak-tflops', '100'], '--peak-tflops is not read by --profile on a CPU'),
+    (['--sampling-only', '--from-row', 'Baseline', '--steps', '3'], '--steps is not read by --sampling-only'),
+    (['--rows', 'Baseline,Chanels-last'], "'Chanels-last' matches no row"),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expected):
     args = ['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path / 'out'),
@@ -463,10 +476,12 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
     ([], 'usage: bash scripts/measure_gpu.sh headline|profile|'), (['headline'], 'usage:'),
     (['bogus', 'OUT'], 'usage:'),
     (['headline', 'OUT', '--fast'], 'usage:'), (['headline', 'OUT', '--quick', 'extra'], 'usage:'),
-    (['headline', '', '--quick'], 'must be a folder'), (['headline', 'FILE', '--quick'], 'must be a folder')])
+    (['headline', '', '--quick'], 'must be a folder'), (['headline', 'FILE', '--quick'], 'must be a folder'),
+    (['headline', 'FILE/sub', '--quick'], 'cannot write there')])
 def test_measure_script_refuses_bad_calls_in_one_line_and_writes_nothing(tmp_path, root, args, expected):
     (tmp_path / 'file').write_text('not a folder')
-    args = [{'OUT': str(tmp_path / 'out'), 'FILE': str(tmp_path / 'file')}.get(a, a) for a in args]
+    args = [{'OUT': str(tmp_path / 'out'), 'FILE': str(tmp_path / 'file'),
+             'FILE/sub': str(tmp_path / 'file' / 'sub')}.get(a, a) for a in args]
     result = subprocess.run(['bash', 'scripts/measure_gpu.sh', *args], cwd=root, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and expected in result.stderr and len(result.stderr.splitlines()) == 1

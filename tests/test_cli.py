@@ -8,6 +8,7 @@ import pytest
 import benchmark
 import cli
 import data
+import files
 import sample
 import train
 
@@ -116,14 +117,14 @@ def test_a_bug_keeps_its_traceback():
 
 def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
     path = str(tmp_path / 'out' / 'report.json')  # the folder is created
-    with cli.atomic_open(path) as f:
+    with files.atomic_open(path) as f:
         f.write('first')
     with pytest.raises(OSError):
-        with cli.atomic_open(path) as f:
+        with files.atomic_open(path) as f:
             f.write('half of the seco')
             raise OSError(28, 'No space left on device')
     assert open(path).read() == 'first' and os.listdir(tmp_path / 'out') == ['report.json']  # no .tmp left
-    with cli.atomic_open(path, 'wb') as f:
+    with files.atomic_open(path, 'wb') as f:
         f.write(b'second')
     assert open(path).read() == 'second' and os.listdir(tmp_path / 'out') == ['report.json']
 
@@ -131,8 +132,8 @@ def test_atomic_writes_leave_the_old_file_or_the_new_one(tmp_path):
 def test_unwritable_folder_is_a_config_error(tmp_path):
     (tmp_path / 'a-file').write_text('')
     with pytest.raises(cli.ConfigError, match='--out a-file/sub: cannot write there|cannot write there'):
-        cli.check_writable(str(tmp_path / 'a-file' / 'sub'), '--out')
-    cli.check_writable(str(tmp_path / 'new' / 'sub'), '--out')
+        files.check_writable(str(tmp_path / 'a-file' / 'sub'), '--out')
+    files.check_writable(str(tmp_path / 'new' / 'sub'), '--out')
     assert os.listdir(tmp_path / 'new' / 'sub') == []  # the probe file is gone
 
 
@@ -140,3 +141,49 @@ def test_write_beton_to_a_folder_is_refused_before_any_work(tmp_path, capsys, mo
     monkeypatch.setattr(data, 'load_dataset', lambda *args: pytest.fail('the data set was loaded first'))
     assert data.main(['--write-beton', str(tmp_path), '--dataset', 'shapes']) == 2
     assert 'a folder; pass the path of the .beton file' in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- provenance
+
+def _git(folder, *args):
+    import subprocess
+    subprocess.run(['git', '-c', 'user.name=t', '-c', 'user.email=t@t', *args], cwd=folder, check=True,
+                   capture_output=True)
+
+
+def test_the_commit_is_recorded_only_where_it_holds_this_code(tmp_path):
+    import shutil
+
+    import reports
+    (tmp_path / 'theirs.txt').write_text('another project')
+    _git(tmp_path, 'init', '-q')
+    _git(tmp_path, 'add', 'theirs.txt')
+    _git(tmp_path, 'commit', '-qm', 'theirs')
+    for name in ('reports.py', 'files.py', 'cli.py'):  # our code copied in, untracked
+        shutil.copy(os.path.join(os.path.dirname(reports.__file__), name), tmp_path)
+    assert reports.git_commit(str(tmp_path)) == 'unknown'
+    _git(tmp_path, 'add', 'reports.py', 'files.py')
+    _git(tmp_path, 'commit', '-qm', 'ours, but one module')
+    assert reports.git_commit(str(tmp_path)).endswith('-dirty')  # cli.py is not in the commit
+    _git(tmp_path, 'add', 'cli.py')
+    _git(tmp_path, 'commit', '-qm', 'all of ours')
+    clean = reports.git_commit(str(tmp_path))
+    assert len(clean) == 40 and int(clean, 16) >= 0
+    (tmp_path / 'cli.py').write_text('# changed\n')
+    assert reports.git_commit(str(tmp_path)) == clean + '-dirty'
+
+
+def test_the_recorded_command_replays_as_it_ran(monkeypatch):
+    import shlex
+
+    import reports
+    for variable in ('TORCHELASTIC_RUN_ID', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE'):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr('sys.argv', ['train.py', '--out-dir', 'run 1', '--data-dir', "it's"])
+    command = reports.command_line()
+    assert shlex.split(command) == ['python', 'train.py', '--out-dir', 'run 1', '--data-dir', "it's"]
+    monkeypatch.setenv('TORCHELASTIC_RUN_ID', 'x')
+    monkeypatch.setenv('LOCAL_WORLD_SIZE', '4')
+    monkeypatch.setenv('WORLD_SIZE', '8')
+    assert shlex.split(reports.command_line())[:6] == ['torchrun', '--nnodes', '2', '--nproc_per_node', '4',
+                                                      'train.py']

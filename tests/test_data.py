@@ -1,9 +1,9 @@
 import pytest
 import torch
 import torchvision
+from helpers import write_cifar10, write_image_folder
 
 import data
-from helpers import write_cifar10, write_image_folder
 
 
 def test_shapes_deterministic_and_structured():
@@ -174,6 +174,7 @@ def test_cifar10_offline_without_a_copy_says_what_to_do(tmp_path, monkeypatch):
         data.load_dataset('cifar10', str(tmp_path), 32)
     message = str(error.value)
     assert 'download failed' in message and '--dataset shapes' in message and '--data-dir' in message
+    assert '--dataset digits' in message  # the real images that need no download
 
 
 def test_choose_loader():
@@ -183,8 +184,8 @@ def test_choose_loader():
 
 
 def test_sixteen_bit_grayscale_keeps_its_levels(tmp_path):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
     ramp = np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16)
     Image.fromarray(ramp).save(tmp_path / 'deep.png')
     with Image.open(tmp_path / 'deep.png') as image:
@@ -196,8 +197,8 @@ def test_sixteen_bit_grayscale_keeps_its_levels(tmp_path):
 
 
 def test_every_image_is_decoded_before_training(tmp_path):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
     write_image_folder(tmp_path, count=6)
     noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
     Image.fromarray(noise).save(tmp_path / 'zz-cut.jpg', quality=95)
@@ -221,8 +222,8 @@ def test_fingerprint_tells_data_sets_apart():
 
 
 def test_folder_crops_the_centre_and_finds_upper_case_extensions(tmp_path):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
     wide = np.zeros((16, 48, 3), dtype=np.uint8)
     wide[:, :16] = (255, 0, 0)      # left third red
     wide[:, 16:32] = (0, 255, 0)    # middle green

@@ -3,11 +3,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers import NO_DIFFUSERS, Fixed
 
 from diffusion import (ddim_sample, ddim_step, ddim_timesteps, ddpm_sample, discretized_gaussian_log_likelihood,
                        dpm_solver_sample, dpm_solver_timesteps, log_snr, make_betas, make_schedule, p_mean_variance,
                        q_posterior, q_sample, run_sampler, training_loss, vlb_bits_per_dim, vlb_bits_per_dim_mc)
-from helpers import NO_DIFFUSERS, Fixed
 from model import UNet, get_config
 
 

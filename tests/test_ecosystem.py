@@ -8,14 +8,15 @@ import os
 import numpy as np
 import pytest
 import torch
+from helpers import NO_DIFFUSERS, train_args
 
 import checkpoint
 import diffusers_io
 import diffusion
+import drawing
 import model as unet
 import sample
 import train
-from helpers import NO_DIFFUSERS, train_args
 
 
 def trained_checkpoint(tmp_path, *extra) -> str:
@@ -47,7 +48,7 @@ def test_export_loads_back_exactly_and_the_pipeline_samples_as_we_do(tmp_path, d
     with torch.no_grad():
         x = diffusion.ddpm_sample(ours, diffusion.make_schedule(1000), (1, channels, 16, 16),
                                   torch.Generator().manual_seed(5))
-    mine = sample.to_uint8(x).permute(0, 2, 3, 1).numpy().astype(int)
+    mine = drawing.to_uint8(x).permute(0, 2, 3, 1).numpy().astype(int)
     theirs = np.round(theirs * 255).astype(int)
     assert np.abs(mine - theirs).max() <= 1 and (mine == theirs).mean() > 0.99 and mine.std() > 10
     # The raw weights on request.

@@ -1,9 +1,9 @@
 import pytest
 import torch
+from helpers import train_args
 
 import data
 import train
-from helpers import train_args
 
 ffcv = pytest.importorskip('ffcv', reason='the optional FFCV extra is not installed (see requirements-ffcv.txt)')
 
@@ -75,12 +75,13 @@ def test_data_py_unwritable_destination_is_one_error_line(tmp_path, capsys):
 def test_fid_statistics_of_a_beton_are_cached_beside_it(beton):
     import os
 
-    import sample
     from helpers import stand_in_extractor
-    stats = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
+
+    import evaluation
+    stats = evaluation.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
     cache = os.path.join(os.path.dirname(beton), 'fid_stats_beton_16.npz')
     assert os.path.isfile(cache) and not os.path.exists(cache + '.tmp')
-    again = sample.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
+    again = evaluation.reference_statistics('beton', beton, 16, stand_in_extractor, 32)
     # The cache is read back whole.
     assert (again['mu'] == stats['mu']).all() and (again['sigma'] == stats['sigma']).all()
 
@@ -101,8 +102,9 @@ def test_two_benchmarks_on_one_data_dir_share_the_beton(tmp_path, root):
 import sys
 sys.path.insert(0, {root!r})
 import benchmark, data
+import timing
 bench = benchmark.BenchConfig(data_dir={str(tmp_path)!r}, image_size=16, num_workers=1)
-print(len(benchmark.beton_for(bench, 'shapes', data.ImageTensorDataset(data.make_shapes(64, 16)))))
+print(len(timing.beton_for(bench, 'shapes', data.ImageTensorDataset(data.make_shapes(64, 16)))))
 """
     writers = [subprocess.Popen([sys.executable, '-c', script], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     outputs = [w.communicate(timeout=300)[0].strip().splitlines()[-1] for w in writers]

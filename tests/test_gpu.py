@@ -4,11 +4,11 @@ import dataclasses
 
 import pytest
 import torch
+from helpers import train_args
 
 import cli
 import data
 import train
-from helpers import train_args
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
 

@@ -6,10 +6,11 @@ import os
 
 import pytest
 import torch
+from helpers import train_args
 
+import evaluation
 import sample
 import train
-from helpers import train_args
 
 
 def run(tmp_path, *extra):
@@ -190,7 +191,7 @@ def test_a_batch_cut_mid_way_is_drawn_again_to_the_bytes_of_one_run(tmp_path, ti
 
 
 def test_finite_weights_with_an_infinite_heldout_loss_are_never_saved(tmp_path, capsys, monkeypatch):
-    losses = sample.heldout_losses
+    losses = evaluation.heldout_losses
 
     def infinite_after_step_two(model, *args, **kwargs):
         result = losses(model, *args, **kwargs)
@@ -201,7 +202,7 @@ def test_finite_weights_with_an_infinite_heldout_loss_are_never_saved(tmp_path, 
     def counting_step(*args, **kwargs):
         infinite_after_step_two.calls += 1
         return real_step(*args, **kwargs)
-    monkeypatch.setattr(sample, 'heldout_losses', infinite_after_step_two)
+    monkeypatch.setattr(evaluation, 'heldout_losses', infinite_after_step_two)
     monkeypatch.setattr(train, 'train_step', counting_step)
     assert run(tmp_path, '--steps', '4', '--log-every', '2', '--ckpt-every', '2', '--sample-every', '0') == 3
     assert 'held-out loss of inf' in one_error_line(capsys)

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cli import gpu_peak_key, peak_tflops
+from devices import gpu_peak_key, peak_tflops
 from model import PRESETS, AttnBlock, UNet, count_flops, count_params, count_torchinfo_flops, get_config
 
 

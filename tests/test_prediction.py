@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from helpers import Fixed, refusal
 
 from diffusion import (eps_and_x0, loss_weight_table, make_schedule, q_sample, training_loss, vlb_bits_per_dim,
                        vlb_bits_per_dim_mc)
-from helpers import Fixed, refusal
 
 
 def _abar(T=1000):
@@ -173,8 +173,9 @@ def test_bits_per_dim_of_a_v_model_is_that_of_its_eps_form(variance, clip):
 # ----------------------------------------------------------------------------- the flags, end to end
 
 def _train(tmp_path, *extra):
-    import train
     from helpers import train_args
+
+    import train
     return train.cli(train_args(tmp_path, '--sample-every', '0', *extra))
 
 
@@ -196,8 +197,24 @@ def test_the_run_trains_what_its_flags_say(monkeypatch, tmp_path):
     assert ckpt['config']['prediction'] == 'v' and ckpt['config']['snr_gamma'] == 5.0
 
 
+def test_a_min_snr_run_resumes_with_uniform_weights_and_a_warning(tmp_path, capsys):
+    # docs/training.md: --loss-weight may change on resume, with a warning; the saved gamma goes with
+    # the saved weighting (it weighs nothing under uniform) instead of refusing the run.
+    assert _train(tmp_path, '--steps', '2', '--loss-weight', 'min-snr', '--snr-gamma', '3') == 0
+    ckpt = str(tmp_path / 'run' / 'ckpt.pt')
+    capsys.readouterr()
+    assert _train(tmp_path, '--steps', '4', '--resume', ckpt, '--loss-weight', 'uniform') == 0
+    assert '--loss-weight uniform (the checkpoint\'s: min-snr)' in capsys.readouterr().err
+    config = torch.load(ckpt, weights_only=True)['config']
+    assert (config['loss_weight'], config['snr_gamma'], torch.load(ckpt, weights_only=True)['step']) == ('uniform',
+                                                                                                       None, 4)
+    # and back: the gamma given now is the one used
+    assert _train(tmp_path, '--steps', '6', '--resume', ckpt, '--loss-weight', 'min-snr', '--snr-gamma', '2') == 0
+    assert torch.load(ckpt, weights_only=True)['config']['snr_gamma'] == 2.0
+
+
 def test_the_heldout_loss_is_the_eps_mse_for_either_prediction():
-    import sample
+    import evaluation
     import train
     sched = make_schedule(1000)
     generator = torch.Generator().manual_seed(0)
@@ -206,7 +223,7 @@ def test_the_heldout_loss_is_the_eps_mse_for_either_prediction():
     noise = torch.randn(6, 3, 8, 8, generator=generator)
     v_out = torch.randn(6, 3, 8, 8, generator=generator)
     cfg = train.TrainConfig(batch_size=8, prediction='v', amp='off', channels_last=False)
-    losses = sample.heldout_losses(Fixed(v_out), sched, (images, t, noise), cfg, torch.device('cpu'))
+    losses = evaluation.heldout_losses(Fixed(v_out), sched, (images, t, noise), cfg, torch.device('cpu'))
     x0 = images.float() / 127.5 - 1
     alpha, sigma = sched.sqrt_alphas_cumprod[t].float().view(-1, 1, 1, 1), \
         sched.sqrt_one_minus_alphas_cumprod[t].float().view(-1, 1, 1, 1)
@@ -242,6 +259,7 @@ def test_a_v_model_exports_with_its_prediction_type_and_samples_in_diffusers_as_
     import numpy as np
 
     import diffusion
+    import drawing
     import sample
     assert _train(tmp_path, '--steps', '2', '--prediction', 'v') == 0
     ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=True)
@@ -258,6 +276,6 @@ def test_a_v_model_exports_with_its_prediction_type_and_samples_in_diffusers_as_
     assert prediction == 'v'
     with torch.no_grad():
         x = diffusion.ddpm_sample(model, sched, (1, 3, 16, 16), torch.Generator().manual_seed(3), prediction='v')
-    mine = sample.to_uint8(x).permute(0, 2, 3, 1).numpy().astype(int)
+    mine = drawing.to_uint8(x).permute(0, 2, 3, 1).numpy().astype(int)
     theirs = np.round(theirs * 255).astype(int)
     assert np.abs(mine - theirs).max() <= 1 and (mine == theirs).mean() > 0.99 and mine.std() > 10

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+from helpers import NO_DIFFUSERS
 
 import diffusers_io
 import model as unet
-from helpers import NO_DIFFUSERS
 from model import PRESETS, UNet, get_config
 
 diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)

@@ -6,12 +6,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from helpers import NO_DIFFUSERS, refusal, stand_in_extractor, train_args
 
 import data
 import diffusion
+import drawing
+import evaluation
 import sample
 import train
-from helpers import NO_DIFFUSERS, refusal, stand_in_extractor, train_args
 from model import UNet, UNetConfig
 
 
@@ -65,16 +67,16 @@ def test_bits_per_dim(tmp_path):
 def test_frechet_distance_closed_forms():
     rng = np.random.default_rng(0)
     features = rng.normal(size=(500, 6)) @ rng.normal(size=(6, 6))
-    stats = sample.statistics(features)
+    stats = evaluation.statistics(features)
     assert np.allclose(stats['mu'], features.mean(0)) and np.allclose(stats['sigma'], np.cov(features, rowvar=False))
-    assert abs(sample.frechet_distance(stats, stats)) < 1e-6
+    assert abs(evaluation.frechet_distance(stats, stats)) < 1e-6
     delta = np.array([0.5, -1.0, 0.0, 2.0, 0.1, 0.0])
-    shifted = sample.statistics(features + delta)  # same covariance, mean moved by delta
-    assert sample.frechet_distance(stats, shifted) == pytest.approx(delta @ delta, rel=1e-6)
+    shifted = evaluation.statistics(features + delta)  # same covariance, mean moved by delta
+    assert evaluation.frechet_distance(stats, shifted) == pytest.approx(delta @ delta, rel=1e-6)
     # Independent Gaussians with covariances a^2 I and b^2 I: FID = d (a - b)^2.
     a_stats = {'mu': np.zeros(4), 'sigma': 4.0 * np.eye(4)}
     b_stats = {'mu': np.zeros(4), 'sigma': 1.0 * np.eye(4)}
-    assert sample.frechet_distance(a_stats, b_stats) == pytest.approx(4 * (2 - 1) ** 2)
+    assert evaluation.frechet_distance(a_stats, b_stats) == pytest.approx(4 * (2 - 1) ** 2)
 
 
 def test_fid_path_with_stand_in_extractor(ckpt, tmp_path, monkeypatch, shapes_fid_dir, shapes_fid_stats):
@@ -83,14 +85,14 @@ def test_fid_path_with_stand_in_extractor(ckpt, tmp_path, monkeypatch, shapes_fi
 
     def recomputed(*args, **kwargs):
         raise AssertionError('the cached reference statistics should have been read')
-    monkeypatch.setattr(sample, 'reference_images', recomputed)
+    monkeypatch.setattr(evaluation, 'reference_images', recomputed)
     cfg = sample.SampleConfig(ckpt=ckpt, num=8, batch_size=4, steps=2, device='cpu', fid=True, fid_data='shapes',
                               data_dir=shapes_fid_dir(tmp_path), out=str(tmp_path / 'out'), format='npz')
     result = sample.main(cfg)
     assert np.isfinite(result['fid']) and result['fid'] > 0
     # Features of the reference set (its first 200 shapes) against themselves: FID 0.
-    stats = sample.statistics(sample.features_of(data.make_shapes(200, 16).split(50), stand_in_extractor))
-    assert abs(sample.frechet_distance(stats, stats)) < 1e-6
+    stats = evaluation.statistics(evaluation.features_of(data.make_shapes(200, 16).split(50), stand_in_extractor))
+    assert abs(evaluation.frechet_distance(stats, stats)) < 1e-6
 
 
 def test_fid_offline_says_how_to_point_at_local_weights(ckpt, tmp_path, monkeypatch, capsys):
@@ -142,7 +144,7 @@ def test_samples_use_the_checkpoints_schedule(tmp_path):
     got = torch.from_numpy(np.load(tmp_path / 'out' / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
     model = UNet(UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()}))
     model.load_state_dict(ckpt['ema'])
-    expected = {kind: sample.to_uint8(diffusion.ddim_sample(model.eval(), diffusion.make_schedule(1000, kind),
+    expected = {kind: drawing.to_uint8(diffusion.ddim_sample(model.eval(), diffusion.make_schedule(1000, kind),
                                                             (3, 3, 16, 16), 4, 0.5,
                                                             torch.Generator().manual_seed(batch_seed(0, 0))))
                 for kind in ('cosine', 'linear')}
@@ -347,7 +349,7 @@ def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
         got = torch.from_numpy(np.load(tmp_path / spacing / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
         x = diffusion.dpm_solver_sample(model, sched, (3, 3, 16, 16), 4, spacing,
                                         generator=torch.Generator().manual_seed(batch_seed(0, 0)))
-        assert torch.equal(got, sample.to_uint8(x))
+        assert torch.equal(got, drawing.to_uint8(x))
     assert not np.array_equal(*(np.load(tmp_path / s / 'samples_3x16.npz')['arr_0'] for s in ('logsnr', 'time')))
 
 

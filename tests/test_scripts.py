@@ -2,14 +2,14 @@
 study, the digits score's checks, and the images-to-quality study of v-prediction and Min-SNR."""
 import json
 
-import pytest
-
 import digits_figure
 import digits_score
 import prediction_study
+import pytest
 import solver_accuracy
-import train
 from helpers import refusal, train_args
+
+import train
 
 
 def test_solver_accuracy_against_exact_answers(tmp_path):
@@ -92,6 +92,8 @@ def test_the_study_summary_pairs_seeds_and_names_both_targets():
     (digits_score, ['--image-size', '4'], '--image-size must be in [8, 256]'),
     (digits_figure, ['--ckpt', 'x.pt', '--out', 'fig.jpg'], 'a file name ending in .png'),
     (digits_figure, ['--ckpt', 'x.pt', '--out', 'a-file/fig.png'], '--out a-file: cannot write there'),
+    (digits_figure, ['--ckpt', 'missing.pt', '--out', 'new/fig.png'], 'missing.pt'),  # new/ is not created
+    (digits_score, ['--image-size', '8', '--data-dir', 'a-file/cache'], '--data-dir a-file/cache: cannot write'),
     (prediction_study, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
     (prediction_study, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
     (digits_score, ['--bogus'], 'unrecognized arguments'),

@@ -12,14 +12,16 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
 
 import checkpoint
 import cli
 import data
 import diffusion
+import evaluation
+import files
 import sample
 import train
-from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
 
 
 def run(tmp_path, *extra):
@@ -217,10 +219,10 @@ def test_build_run_compiles_the_whole_loss_in_one_graph(monkeypatch):
 
 def test_heldout_loss_is_deterministic_and_without_dropout():
     run = tiny_run(dropout=0.5, heldout_size=16)
-    heldout = sample.make_heldout(run.cfg, run.device, 1000)
+    heldout = evaluation.make_heldout(run.cfg, run.device, 1000)
     assert run.model.training
-    a = sample.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
-    b = sample.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    a = evaluation.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
+    b = evaluation.heldout_losses(run.model, run.sched, heldout, run.cfg, run.device)
     assert torch.equal(a, b) and run.model.training  # eval mode inside, training mode after
     images, t, noise = heldout
     assert sorted(t.tolist()) == [i * 1000 // 16 for i in range(16)]  # timesteps spread over 0..T-1
@@ -595,7 +597,7 @@ def test_a_run_killed_after_logging_past_its_checkpoint_logs_each_step_once(tmp_
 
 
 def test_metrics_rows_are_strict_json(tmp_path):
-    log = cli.JsonLines(str(tmp_path / 'm.jsonl'))
+    log = files.JsonLines(str(tmp_path / 'm.jsonl'))
     log.write({'kind': 'eval', 'step': 1, 'bpd': 3.5, 'bpd_stderr': float('nan'), 'fid': [float('inf'), 1.0]})
     text = (tmp_path / 'm.jsonl').read_text()
     assert json.loads(text, parse_constant=lambda name: pytest.fail(f'{name} is not JSON')) == {
@@ -674,9 +676,9 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
         return wrapper
     monkeypatch.setattr(sample, 'write_grid', slow(sample.write_grid))
     monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
-    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
-    monkeypatch.setattr(sample, 'reference_statistics', slow(sample.reference_statistics))
-    monkeypatch.setattr(sample, 'bits_per_image', slow(sample.bits_per_image))
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    monkeypatch.setattr(evaluation, 'reference_statistics', slow(evaluation.reference_statistics))
+    monkeypatch.setattr(evaluation, 'bits_per_image', slow(evaluation.bits_per_image))
     step_once, first = train.train_step, [True]
 
     def first_step_compiles(*args):  # the first step of a process takes 1000 s, as a compilation may
@@ -715,11 +717,13 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 
 def test_modules_import_only_the_layers_below_them():
-    # cli at the bottom; then the model, the maths and the data; diffusers' formats; our checkpoints;
-    # sampling and evaluation; training's bookkeeping; training; the step's bound; the benchmark.
+    # cli at the bottom; the plumbing (files, devices, ranks, reports); then the model, the maths and the
+    # data; diffusers' formats; our checkpoints; drawing images; evaluation; sampling and training's
+    # bookkeeping; training; the step's bound; the benchmark.
     import ast
-    layer = {'cli': 0, 'model': 1, 'diffusion': 1, 'data': 1, 'diffusers_io': 2, 'checkpoint': 3, 'sample': 4,
-             'metrics': 5, 'train': 6, 'roofline': 7, 'benchmark': 8}
+    layer = {'cli': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3, 'diffusion': 3,
+             'data': 3, 'diffusers_io': 4, 'checkpoint': 5, 'drawing': 6, 'evaluation': 7, 'sample': 8,
+             'metrics': 8, 'train': 9, 'roofline': 10, 'timing': 10, 'benchmark': 11}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
@@ -754,8 +758,7 @@ def eval_rows(tmp_path):
 
 
 def test_evaluations_at_image_counts_and_across_a_resume(tmp_path, monkeypatch, shapes_fid_dir):
-    import sample
-    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
     common = ['--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path)]
     assert run(tmp_path, *common, '--steps', '7') == 0
     assert run(tmp_path, *common, '--steps', '12', '--resume', 'auto') == 0
@@ -774,7 +777,8 @@ def test_evaluations_at_image_counts_and_across_a_resume(tmp_path, monkeypatch, 
 
 def test_fid_during_training_is_sample_pys_fid(tmp_path, monkeypatch, shapes_fid_dir):
     import sample
-    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    for module in (evaluation, sample):  # the evaluation during training, and sample.py's
+        monkeypatch.setattr(module, 'inception_extractor', lambda weights, device: stand_in_extractor)
     data_dir = shapes_fid_dir(tmp_path)
     assert run(tmp_path, '--steps', '12', '--eval-every', '96', *EVAL, '--data-dir', data_dir) == 0
     (row,) = eval_rows(tmp_path)  # at step 12, on the EMA that the checkpoint holds
@@ -785,11 +789,10 @@ def test_fid_during_training_is_sample_pys_fid(tmp_path, monkeypatch, shapes_fid
 
 
 def test_offline_evaluation_leaves_out_fid_with_one_warning(tmp_path, monkeypatch, capsys):
-    import sample
 
     def offline(weights, device):
         raise cli.ConfigError('FID needs the InceptionV3 weights, and downloading them failed')
-    monkeypatch.setattr(sample, 'inception_extractor', offline)
+    monkeypatch.setattr(evaluation, 'inception_extractor', offline)
     assert run(tmp_path, '--steps', '10', '--eval-every', '40', *EVAL) == 0
     assert capsys.readouterr().err.count('FID is left out of the evaluations') == 1
     rows = eval_rows(tmp_path)
@@ -797,8 +800,7 @@ def test_offline_evaluation_leaves_out_fid_with_one_warning(tmp_path, monkeypatc
 
 
 def test_an_evaluation_cut_by_a_stop_is_owed_to_the_resumed_run(tmp_path, monkeypatch, shapes_fid_dir):
-    import sample
-    monkeypatch.setattr(sample, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
     step_once = train.train_step
 
     def step_then_sigterm_at_3(run, x0, step):
@@ -821,12 +823,12 @@ def heldout_loss_of(path, cfg_args=()):
     """The held-out losses (model, EMA) of a checkpoint's weights, as train.py computes them."""
     ckpt = torch.load(path, weights_only=True)
     cfg = train.resolve_defaults(train.TrainConfig(**ckpt['flags']), torch.device('cpu'))
-    heldout = sample.make_heldout(cfg, torch.device('cpu'), 1000)
+    heldout = evaluation.make_heldout(cfg, torch.device('cpu'), 1000)
     sched = diffusion.make_schedule(1000)
     losses = []
     for weights in ('model', 'ema'):
         net = checkpoint.model_from_checkpoint(ckpt, weights, str(path))
-        losses.append(sample.heldout_losses(net, sched, heldout, cfg, torch.device('cpu')).mean().item())
+        losses.append(evaluation.heldout_losses(net, sched, heldout, cfg, torch.device('cpu')).mean().item())
     return losses
 
 
@@ -880,6 +882,20 @@ def test_resume_alone_continues_the_run_as_it_was(tmp_path, capsys):
         {k: v for k, v in whole['config'].items() if k not in elsewhere}
     rows = [r for r in metrics(tmp_path / 'split') if r.get('kind') == 'train']
     assert [r['lr'] for r in rows] == pytest.approx([1e-3 * min(1, r['step'] / 4) for r in rows])
+
+
+def test_the_done_rows_wall_time_covers_every_process_of_a_resumed_run(tmp_path, monkeypatch):
+    # The first process trains slowly, the resumed one fast: the run's wall time holds both, so it
+    # is never smaller than the training time inside it (summed over both processes).
+    real, common = train.train_step, ['--ckpt-every', '0', '--log-every', '2', '--sample-every', '0']
+    monkeypatch.setattr(train, 'train_step', lambda *args: (time.sleep(0.3), real(*args))[1])
+    assert run(tmp_path, *common, '--steps', '4') == 0
+    first = metrics(tmp_path)[-1]
+    monkeypatch.undo()
+    assert train.cli(['--resume', str(tmp_path / 'run' / 'ckpt.pt'), '--steps', '6']) == 0
+    done = metrics(tmp_path)[-1]
+    assert done['kind'] == 'done' and done['train_seconds'] > first['train_seconds'] >= 0.9  # 3 timed slow steps
+    assert done['wall_s'] >= done['train_seconds'] and done['wall_s'] > first['wall_s']
 
 
 def test_resume_applies_optimisation_changes_with_a_warning_and_refuses_others(tmp_path, capsys):
@@ -946,7 +962,7 @@ def test_full_disk_is_one_line_exit_1_and_resume_auto_works_once_freed(tmp_path,
 
 
 def test_resume_is_exact_with_fid_evaluation_on(tmp_path, monkeypatch, shapes_fid_dir):
-    import sample as sample_module
+    import evaluation as sample_module
 
     def inception_like(weights, device):
         torch.nn.Linear(64, 64)  # building the Inception network draws its initial weights from the global RNG
@@ -995,13 +1011,13 @@ def test_evaluation_measures_the_ema_on_held_out_images():
     with torch.no_grad():  # an EMA unlike the model
         for p, e in zip(run_.model.parameters(), run_.ema.parameters()):
             e.copy_(p + 0.05 * torch.randn_like(p))
-    row = sample.Evaluator(run_)(5, 0.25)
+    row = evaluation.Evaluator(run_)(5, 0.25)
     assert (row['step'], row['images_seen'], row['train_hours'], row['bpd_images']) == (5, 40, 0.25, 6)
 
     def bits(net):
-        generator = torch.Generator().manual_seed(sample.evaluation_seed(2, 5, 0))  # the evaluation's stream at step 5
+        generator = torch.Generator().manual_seed(evaluation.evaluation_seed(2, 5, 0))  # the evaluation's stream at step 5
         images = data.load_heldout('shapes', '', 16, 6)
-        return sample.bits_per_image(net, run_.sched, images, 8, torch.device('cpu'), generator, 3)['total']
+        return evaluation.bits_per_image(net, run_.sched, images, 8, torch.device('cpu'), generator, 3)['total']
     ema = bits(run_.ema)
     assert row['bpd'] == pytest.approx(ema.mean().item(), rel=1e-9)
     assert row['bpd_stderr'] == pytest.approx((ema.std() / 6 ** 0.5).item(), rel=1e-9)
@@ -1009,16 +1025,16 @@ def test_evaluation_measures_the_ema_on_held_out_images():
 
 
 def test_evaluation_reads_the_test_split_and_fid_the_training_split(tmp_path, monkeypatch):
-    import sample as sample_module
+    import evaluation as sample_module
     monkeypatch.setattr(torchvision.datasets.cifar, 'check_integrity', lambda *a, **k: True)
     monkeypatch.setattr(sample_module, 'inception_extractor', lambda weights, device: stand_in_extractor)
     write_cifar10(tmp_path / 'cifar', train_per_batch=8, test_count=16)
     run_ = tiny_run(dataset='cifar10', data_dir=str(tmp_path / 'cifar'), image_size=32, eval_every=8,
                     eval_bpd_images=6)
-    evaluator = sample.Evaluator(run_)
+    evaluator = evaluation.Evaluator(run_)
     test, train_split = (data.load_cifar10(str(tmp_path / 'cifar'), train=split) for split in (False, True))
     assert torch.equal(evaluator.images, test[:6])
-    expected = sample.statistics(stand_in_extractor(train_split).numpy())
+    expected = evaluation.statistics(stand_in_extractor(train_split).numpy())
     assert np.allclose(evaluator.reference['mu'], expected['mu']) and np.allclose(evaluator.reference['sigma'],
                                                                                    expected['sigma'])
 
@@ -1080,7 +1096,7 @@ def test_a_copy_resumed_elsewhere_keeps_its_grids_in_its_own_folder(tmp_path):
 
 
 def test_a_stop_during_an_evaluation_saves_that_step_and_owes_it(tmp_path, monkeypatch, shapes_fid_dir):
-    import sample as sample_module
+    import evaluation as sample_module
     monkeypatch.setattr(sample_module, 'inception_extractor', lambda weights, device: stand_in_extractor)
     bits, calls = sample_module.bits_per_image, []
 
