@@ -27,12 +27,14 @@ import time
 import typing
 from dataclasses import asdict, dataclass
 
+import torch
+from tqdm import tqdm
+
 import data
 import diffusion
 import drawing
 import evaluation
 import roofline
-import torch
 import train
 from cli import (ConfigError, brief, changed_fields, check_plain_name, check_ranges, flag, flag_name, parse_config,
                  refused_as, run_main)
@@ -40,13 +42,11 @@ from devices import autocast, device_name, device_slug, pick_device, precision_o
 from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
                           recipe_step)
 from files import check_writable
-from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops, get_config
+from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops
 from reports import bar_chart, format_or_na, markdown_table, provenance, write_report
-from tqdm import tqdm
-
-from timing import (Row, add_speedups, beton_for, build_row_run, image_folder_for, measure_row,
-                    measured_or_failed, peak_for, release, row_line, row_train_config, selected_rows, start_row,
-                    sweep_rows, throughput, time_iterations)
+from timing import (Row, add_speedups, beton_for, build_row_run, image_folder_for, load_data, measure_row,
+                    measured_or_failed, model_config, peak_for, release, row_line, row_train_config, selected_rows,
+                    start_row, sweep_rows, throughput, time_iterations)
 
 
 @dataclass
@@ -261,11 +261,6 @@ def write_ladder(stem: str, meta: dict, rows: list, peers: dict, bench: BenchCon
 
 # ----------------------------------------------------------------------------- the ladder
 
-def model_config(bench: BenchConfig):
-    """The preset at --image-size, with the data set's channels (one for digits)."""
-    return get_config(bench.preset, image_size=bench.image_size, in_channels=data.channels_of(bench.dataset))
-
-
 def prepare(bench: BenchConfig, need_data: bool = True):
     """(the bench config resolved for the device, the device, the data set's name, the data set, the
     FLOP counts). fp32 rows run true fp32 unless --tf32: TF32 convolutions (PyTorch's default) are 8x
@@ -278,21 +273,6 @@ def prepare(bench: BenchConfig, need_data: bool = True):
     flops.update(torchinfo_forward=torchinfo['forward'], torchinfo_train=torchinfo['train'],
                  torchinfo_method=torchinfo['method'], params=count_params(UNet(config)))
     return bench, device, dataset_name, dataset, flops
-
-
-def load_data(bench: BenchConfig):
-    """CIFAR-10 where it is on disk; otherwise shapes of the same size and shape (the step's
-    speed does not depend on what the pixels show); digits when asked for."""
-    if bench.dataset == 'digits':
-        return 'digits', data.load_dataset('digits', bench.data_dir, bench.image_size)
-    if bench.dataset in ('auto', 'cifar10'):
-        try:
-            return 'cifar10', data.ImageTensorDataset(data.resize_images(
-                data.load_cifar10(bench.data_dir, train=True, download=False), bench.image_size))
-        except data.DataError:
-            if bench.dataset == 'cifar10':
-                raise
-    return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
 
 
 def run_ladder(bench: BenchConfig) -> dict:

@@ -8,15 +8,17 @@ import time
 import typing
 from dataclasses import asdict, dataclass
 
-import data
 import torch
+from tqdm import tqdm
+
+import data
 import train
 from cli import ConfigError, brief
 from devices import A100_PEAK_TFLOPS, peak_tflops, precision_of, synchronize
 from diffusers_io import write_image_folder
 from files import write_once
+from model import get_config
 from reports import format_or_na
-from tqdm import tqdm
 
 
 @dataclass
@@ -276,3 +278,23 @@ def sweep_rows(kind: str, best: Row, bench, device: torch.device) -> list:
     modes = ['default'] + (['max-autotune-no-cudagraphs', 'reduce-overhead', 'max-autotune'] if cuda else [])
     return [dataclasses.replace(best, name='eager', compile=False)] + [
         dataclasses.replace(best, name=f'compile {m}', compile=True, compile_mode=m) for m in modes]
+
+
+def model_config(bench):
+    """The preset at --image-size, with the data set's channels (one for digits)."""
+    return get_config(bench.preset, image_size=bench.image_size, in_channels=data.channels_of(bench.dataset))
+
+
+def load_data(bench):
+    """CIFAR-10 where it is on disk; otherwise shapes of the same size and shape (the step's
+    speed does not depend on what the pixels show); digits when asked for."""
+    if bench.dataset == 'digits':
+        return 'digits', data.load_dataset('digits', bench.data_dir, bench.image_size)
+    if bench.dataset in ('auto', 'cifar10'):
+        try:
+            return 'cifar10', data.ImageTensorDataset(data.resize_images(
+                data.load_cifar10(bench.data_dir, train=True, download=False), bench.image_size))
+        except data.DataError:
+            if bench.dataset == 'cifar10':
+                raise
+    return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
