@@ -1,6 +1,7 @@
 """Time to quality: training minutes until samples reach a score, for the paper's recipe as train.py
-runs it, for each lever added on top of it (one per arm, in the order of the speed-up table), and for
-diffusers' training recipe on the same images, all in one ladder. Each run trains with an evaluation
+runs it, for each lever added on top of it (one per arm, in the order of the speed-up table; a lever
+stays for the arms below only where it paid: faster steps, or the baseline's score in fewer minutes),
+and for diffusers' training recipe on the same images, all in one ladder. Each run trains with an evaluation
 every --eval-every images; the clock counts training alone (the first, compiling step included),
 evaluations are timed apart. Targets: the baseline's final score (its worst seed's), and --target.
 
@@ -82,32 +83,45 @@ class Arm:
 BASELINE = ['--amp', 'off', '--no-compile', '--no-channels-last', '--no-fused-adam']  # fp32 eager, as the paper's
 
 
-def speed_arms(device) -> list:
-    """The baseline, then one lever added per arm (each keeps the ones above, but for compile on a CPU:
-    there it is a branch, since its half minute of compiling is a large share of a CPU run), then the
-    two recipes."""
-    arms = [Arm('baseline', "the paper's recipe as train.py runs it here: fp32, eager, NCHW, foreach Adam", BASELINE)]
-    stack = list(BASELINE)
+@dataclass
+class Lever:
+    name: str
+    changes: str
+    flags: list
+    judged_by: str  # 'speed': kept below when it trains faster; 'time': when it reaches the baseline's score sooner
 
-    def add(name, changes, *flags, keep=True):
-        nonlocal stack
-        arms.append(Arm(name, changes, stack + list(flags)))
-        stack = arms[-1].flags if keep else stack
-    if device.type == 'cuda' or cpu_has_native_bf16():
-        add('+ bf16', 'bf16 autocast', '--amp', 'bf16')
-    add('+ channels-last', 'channels-last memory format', '--channels-last')
-    add('+ fused Adam', 'one fused Adam kernel', '--fused-adam')
-    cpu = device.type != 'cuda'
-    add('+ compile', 'torch.compile of the whole loss (Inductor; its compile time is counted)' +
-        ('; a branch: the arms below go on without it' if cpu else ''), '--compile', keep=not cpu)
-    add('+ v-prediction', 'the network predicts v (Salimans & Ho, 2022)', '--prediction', 'v')
-    add('+ Min-SNR-5', 'loss weights min(SNR, 5) (Hang et al., 2023)', '--loss-weight', 'min-snr')
-    add('+ batch 64', "twice the tiny preset's batch, the learning rate x sqrt(2) (3e-3)", '--batch-size', '64',
-        '--lr', '3e-3')
-    arms += [Arm('diffusers recipe', "diffusers' train_unconditional.py loop and settings (AdamW 1e-4, cosine, "
-                                     "EMAModel warm-up, batch 16, 0 workers), fp32 eager", recipe='its own'),
-             Arm('diffusers recipe, our lr', "the same at our preset's learning rate and batch", recipe='ours')]
-    return arms
+
+def speed_levers(device) -> list:
+    """The speed ladder's levers in the order of the speed-up table: how fast a step runs, then how many
+    images the samples need."""
+    levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
+        device.type == 'cuda' or cpu_has_native_bf16()) else []
+    return levers + [
+        Lever('+ channels-last', 'channels-last memory format', ['--channels-last'], 'speed'),
+        Lever('+ fused Adam', 'one fused Adam kernel', ['--fused-adam'], 'speed'),
+        Lever('+ compile', 'torch.compile of the whole loss (Inductor; its compile time is counted)', ['--compile'],
+              'speed'),
+        Lever('+ v-prediction', 'the network predicts v (Salimans & Ho, 2022)', ['--prediction', 'v'], 'time'),
+        Lever('+ Min-SNR-5', 'loss weights min(SNR, 5) (Hang et al., 2023)', ['--loss-weight', 'min-snr'], 'time'),
+        Lever('+ batch 64', "twice the tiny preset's batch, the learning rate x sqrt(2) (3e-3)",
+              ['--batch-size', '64', '--lr', '3e-3'], 'time')]
+
+
+BASELINE_ARM = Arm('baseline', "the paper's recipe as train.py runs it here: fp32, eager, NCHW, foreach Adam", BASELINE)
+RECIPE_ARMS = [Arm('diffusers recipe', "diffusers' train_unconditional.py loop and settings (AdamW 1e-4, cosine, "
+                                       "EMAModel warm-up, batch 16, 0 workers), fp32 eager", recipe='its own'),
+               Arm('diffusers recipe at our lr', "the same at our preset's learning rate and batch", recipe='ours')]
+
+
+def speed_arms(device, names=()) -> list:
+    """The baseline, each lever (of `names`, or all) on top of every one above it, and the two recipes:
+    the ladder's arms as they run when every lever is kept (climb() keeps only those that pay)."""
+    arms, stack = [BASELINE_ARM], list(BASELINE)
+    for lever in speed_levers(device):
+        if not names or lever.name in names:
+            stack = stack + lever.flags
+            arms.append(Arm(lever.name, lever.changes, stack))
+    return arms + [a for a in RECIPE_ARMS if not names or a.name in names]
 
 
 def prediction_arms(device) -> list:
@@ -124,11 +138,13 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------- one run
 
-def common_flags(cfg: LadderConfig, seed: int, folder: str, extra: list) -> list:
-    """train.py's flags of one run: the budget, the evaluations, the outputs; `extra` the arm's."""
+def run_flags(cfg: LadderConfig, seed: int, folder: str, extra: list) -> tuple:
+    """train.py's flags of one run (the budget, the evaluations, the outputs; `extra` the arm's) and
+    the config train.py resolves them to."""
     batch = train.check_flags(base_flags(cfg) + extra).batch_size
-    return base_flags(cfg) + ['--steps', str(math.ceil(cfg.images / batch)), '--seed', str(seed),
-                              '--out-dir', folder, *extra]
+    flags = base_flags(cfg) + ['--steps', str(math.ceil(cfg.images / batch)), '--seed', str(seed),
+                               '--out-dir', folder, *extra]
+    return flags, train.check_flags(flags)
 
 
 def base_flags(cfg: LadderConfig) -> list:
@@ -144,7 +160,8 @@ SCORE_OF = {'digits': 'digits_fd'}  # every other data set: FID
 
 def train_arm(arm: Arm, seed: int, cfg: LadderConfig, folder: str) -> dict | None:
     """One train.py run of the arm; its curve, or None when a signal stopped it."""
-    if train.cli(common_flags(cfg, seed, folder, arm.flags)) != 0:
+    flags, run_cfg = run_flags(cfg, seed, folder, arm.flags)
+    if train.cli(flags) != 0:
         raise RunFailed(f'{arm.name}, seed {seed}: train.py failed (its error is above)')
     with open(os.path.join(folder, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -158,7 +175,7 @@ def train_arm(arm: Arm, seed: int, cfg: LadderConfig, folder: str) -> dict | Non
             evals[r['images_seen']] = r  # the last of each
     curve = [{'images': n, 'score': r[key], 'minutes': (60 * r['train_hours'] + first_step / 60),
               'eval_seconds': r['eval_seconds']} for n, r in sorted(evals.items())]
-    images = done['step'] * train.check_flags(common_flags(cfg, seed, folder, arm.flags)).batch_size
+    images = done['step'] * run_cfg.batch_size
     return {'curve': curve, 'img_per_s': images / (done['train_seconds'] + first_step),
             'first_step_s': first_step, 'train_minutes': (done['train_seconds'] + first_step) / 60,
             'wall_minutes': done['wall_s'] / 60}
@@ -225,16 +242,26 @@ class RunFailed(Exception):
     exit_code = 1
 
 
+def run_folder(arm: Arm, seed: int, cfg: LadderConfig) -> str:
+    return os.path.join(cfg.runs_dir, f'{slug(arm.name)}-seed{seed}')
+
+
+def read_result(arm: Arm, seed: int, cfg: LadderConfig) -> dict | None:
+    """The run's result when its folder holds it finished with these flags (its curve.json), else None."""
+    path = os.path.join(run_folder(arm, seed, cfg), 'curve.json')
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    return saved if saved['run'] == {'arm': asdict(arm), 'seed': seed} else None
+
+
 def run_job(arm: Arm, seed: int, cfg: LadderConfig, stop: StopFlag = None) -> dict | None:
     """One run, reused when its folder holds it finished with these flags; else trained from its start."""
-    folder = os.path.join(cfg.runs_dir, f'{slug(arm.name)}-seed{seed}')
+    if (saved := read_result(arm, seed, cfg)) is not None:
+        return saved
+    folder, what = run_folder(arm, seed, cfg), {'arm': asdict(arm), 'seed': seed}
     done_path = os.path.join(folder, 'curve.json')
-    what = {'arm': asdict(arm), 'seed': seed}
-    if os.path.isfile(done_path):
-        with open(done_path) as f:
-            saved = json.load(f)
-        if saved['run'] == what:
-            return saved
     shutil.rmtree(folder, ignore_errors=True)  # unfinished, or made with other flags: from its start
     os.makedirs(folder)
     stop = stop or StopFlag()
@@ -314,13 +341,16 @@ def plan(cfg: LadderConfig) -> list:
     if unknown:
         raise ConfigError(f"--arms: no arm named {', '.join(map(repr, unknown))}; the arms of --ladder {cfg.ladder} "
                           f"are: {', '.join(a.name for a in every)}")
-    arms = [a for a in every if not names or a.name in names or a.name == 'baseline']
+    if cfg.ladder == 'speed':
+        arms = speed_arms(device, names)
+    else:
+        arms = [a for a in every if not names or a.name in names or a.name == 'baseline']
     for arm in arms:
         if arm.recipe:
             if reason := diffusers_missing_reason():
                 raise ConfigError(f'--arms {arm.name}: {reason}')
             continue
-        run_cfg = train.check_flags(common_flags(cfg, 0, os.path.join(cfg.runs_dir, 'check'), arm.flags))
+        run_cfg = run_flags(cfg, 0, os.path.join(cfg.runs_dir, 'check'), arm.flags)[1]
         steps = math.ceil(cfg.images / run_cfg.batch_size)
         if steps * run_cfg.batch_size < cfg.eval_every:
             raise ConfigError(f'--images {cfg.images}: at batch {run_cfg.batch_size} the {arm.name!r} run ends at '
@@ -413,7 +443,7 @@ def run_all(jobs: list, cfg: LadderConfig, stop: StopFlag) -> list | None:
                 process.kill()
     if failed:
         raise RunFailed(failed)
-    return None if stop.reason else [run_job(arm, seed, cfg) for arm, seed in jobs]  # each read back, finished
+    return None if stop.reason else [read_result(arm, seed, cfg) for arm, seed in jobs]  # each worker wrote its own
 
 
 STOPPED = 3  # a worker's exit code when a signal stopped its run
@@ -429,43 +459,98 @@ def job_process(arm: Arm, seed: int, cfg: LadderConfig):
     sys.exit(0 if result is not None else STOPPED)
 
 
+def run_group(jobs: list, cfg: LadderConfig, stop: StopFlag) -> dict | None:
+    """{arm name: its runs' results} of (arm, seed) jobs; None when a signal stopped them."""
+    results = run_all(jobs, cfg, stop)
+    if results is None:
+        return None
+    grouped = {}
+    for (arm, _), result in zip(jobs, results):
+        grouped.setdefault(arm.name, []).append(result)
+    return grouped
+
+
+def final_target(runs: dict) -> float:
+    """The baseline's final score, as the worst of its seeds ends: a score every baseline seed reaches."""
+    return max(r['curve'][-1]['score'] for r in runs['baseline'])
+
+
+def pays(lever: Lever, got: list, base: list, target: float) -> bool:
+    """Whether a lever stays for the arms below: a speed lever when its runs train faster (mean img/s,
+    the compiling step counted) than those of the arm it builds on; a lever of the images needed when
+    every seed reaches the baseline's final score, in fewer mean training minutes than that arm's (or
+    that arm's seeds do not all reach it)."""
+    if lever.judged_by == 'speed':
+        return statistics.mean(r['img_per_s'] for r in got) > statistics.mean(r['img_per_s'] for r in base)
+    ours, theirs = ([reach(r['curve'], target) for r in runs] for runs in (got, base))
+    if not all(ours):
+        return False
+    return not all(theirs) or statistics.mean(x[1] for x in ours) < statistics.mean(x[1] for x in theirs)
+
+
+def climb(arms: list, cfg: LadderConfig, stop: StopFlag) -> tuple | None:
+    """The speed ladder: the baseline's and the recipes' seeds, then each lever on top of the levers
+    kept so far (pays() decides). Returns (the arms as they ran, their runs, {arm: the arm it builds on,
+    whether it was kept}), or None when a signal stopped it."""
+    levers = {lever.name: lever for lever in speed_levers(pick_device(cfg.device))}
+    fixed = [a for a in arms if a.name not in levers]
+    runs = run_group([(a, seed) for a in fixed for seed in range(cfg.seeds if a.name in (
+        'baseline', 'diffusers recipe') else cfg.other_seeds)], cfg, stop)
+    if runs is None:
+        return None
+    target, on, stack, ran, built = final_target(runs), 'baseline', list(BASELINE), [BASELINE_ARM], {}
+    for lever in (levers[a.name] for a in arms if a.name in levers):
+        arm = Arm(lever.name, lever.changes, stack + lever.flags)
+        got = run_group([(arm, seed) for seed in range(cfg.other_seeds)], cfg, stop)
+        if got is None:
+            return None
+        runs[arm.name], kept = got[arm.name], pays(lever, got[arm.name], runs[on], target)
+        built[arm.name] = {'builds_on': on, 'kept': kept}
+        print(f'{arm.name}: {"kept" if kept else "left out"} for the arms below (on top of {on})', flush=True)
+        ran.append(arm)
+        if kept:
+            on, stack = arm.name, arm.flags
+    return ran + [a for a in fixed if a.recipe], runs, built
+
+
+def side_by_side(arms: list, cfg: LadderConfig, stop: StopFlag) -> tuple | None:
+    """The prediction ladder: every arm on the baseline, --seeds seeds each."""
+    runs = run_group([(arm, seed) for arm in arms for seed in range(cfg.seeds)], cfg, stop)
+    return None if runs is None else (arms, runs, {})
+
+
 def ladder(cfg: LadderConfig) -> dict | None:
     arms, floor, harder = validate(cfg)
     release = claim_runs_dir(cfg)
     stop = StopFlag()
     restore = stop.install()
     try:
-        many = ('baseline', 'diffusers recipe') if cfg.ladder == 'speed' else tuple(a.name for a in arms)
-        first = [(arm, seed) for arm in arms for seed in range(cfg.seeds if arm.name in many else cfg.other_seeds)]
-        results = run_all(first, cfg, stop)
-        if results is None:
+        done = (climb if cfg.ladder == 'speed' else side_by_side)(arms, cfg, stop)
+        if done is None:
             return stopped(stop)
-        runs = {arm.name: [r for (a, _), r in zip(first, results) if a is arm] for arm in arms}
-        # The baseline's final score, as the worst of its seeds ends: a score every baseline seed reaches.
-        targets = {'final_target': max(r['curve'][-1]['score'] for r in runs['baseline'])}
-        if harder is not None:
-            targets['harder_target'] = harder
+        arms, runs, built = done
+        targets = {'final_target': final_target(runs), **({'harder_target': harder} if harder is not None else {})}
         summary = summarise(runs, targets)
         fastest = min((name for name in runs if summary[name]['final_target']['minutes']),
                       key=lambda name: summary[name]['final_target']['minutes'][0])
-        more = [(arm, seed) for arm in arms if arm.name == fastest for seed in range(len(runs[fastest]), cfg.seeds)]
-        extra = run_all(more, cfg, stop)
-        if extra is None:
+        more = run_group([(arm, seed) for arm in arms if arm.name == fastest
+                          for seed in range(len(runs[fastest]), cfg.seeds)], cfg, stop)
+        if more is None:
             return stopped(stop)
-        runs[fastest] += extra
+        runs[fastest] += more.get(fastest, [])
     finally:
         restore()
         release()
     summary = summarise(runs, targets)
     result = {**provenance(device_name(pick_device(cfg.device))), 'config': asdict(cfg), 'floor': floor,
-              'targets': targets, 'fastest': fastest, 'arms': {a.name: {**asdict(a), **summary[a.name]} for a in arms},
-              'runs': runs}
+              'targets': targets, 'fastest': fastest, 'runs': runs,
+              'arms': {a.name: {**asdict(a), **built.get(a.name, {}), **summary[a.name]} for a in arms}}
     report(result, cfg)
     return result
 
 
 def stopped(stop: StopFlag):
-    print(f'stopped by {stop.reason}: no report written (it would hold unfinished runs); the same command '
+    print(f'stopped by {stop.reason or "a signal"}: no report written (it would hold unfinished runs); the same command '
           f'continues, reusing the finished runs', flush=True)
     return None
 
@@ -485,14 +570,15 @@ def report(result: dict, cfg: LadderConfig):
 
     def ratio(value):
         return '-' if value is None else ('> ' if value['bound'] else '') + f"{value['ratio']:.2f}x"
-    headers = ['Arm', 'what it changes', 'seeds', 'img/s', f"minutes to {targets['final_target']:.2f}",
+    headers = ['Arm', 'what it changes', 'on top of', 'kept below', 'seeds', 'img/s', f"minutes to {targets['final_target']:.2f}",
                f"images to {targets['final_target']:.2f}"]
     if 'harder_target' in targets:
         headers += [f"minutes to {targets['harder_target']:.2f}", f"images to {targets['harder_target']:.2f}"]
     headers += ['final score', 'vs baseline (minutes)', 'vs the recipe (minutes)', 'evaluation minutes (apart)']
     rows = []
     for name, arm in arms.items():
-        row = [name, arm['changes'], arm['seeds'], ms(arm['img_per_s'], ',.0f'),
+        row = [name, arm['changes'], arm.get('builds_on', '-'), {True: 'yes', False: 'no'}.get(arm.get('kept'), '-'),
+               arm['seeds'], ms(arm['img_per_s'], ',.0f'),
                to(arm, 'final_target', 'minutes', '.2f'), to(arm, 'final_target', 'images', ',.0f')]
         if 'harder_target' in targets:
             row += [to(arm, 'harder_target', 'minutes', '.2f'), to(arm, 'harder_target', 'images', ',.0f')]
@@ -504,11 +590,13 @@ def report(result: dict, cfg: LadderConfig):
              f"per run, {score} of {cfg.eval_samples} EMA samples ({cfg.sampler}, {cfg.sample_steps} calls) every "
              f"{cfg.eval_every:,} images" + (f"; floor {result['floor']:.2f}" if result['floor'] else '') +
              f". Targets: the baseline's final score (the worst of its seeds) and {targets.get('harder_target', 'none')}. Mean +- sd "
-             f"over seeds; training minutes count the first (compiling) step, not the evaluations; a target not "
+             f"over seeds; a lever stays for the arms below ('kept below') when it trains faster (img/s; levers of speed) or "
+             f"reaches the first target in fewer minutes (levers of the images needed) than the arm it is on top of; "
+             f"training minutes count the first (compiling) step, not the evaluations; a target not "
              f"reached by every seed is 'not reached', never extrapolated; '>' marks a ratio to a peer that never "
              f"reached it (its whole training time)")
     png = write_report(cfg.out_dir, cfg.stem, result, 'Time to quality: training minutes to a score, per lever',
-                       markdown_table(headers, rows, left=2), notes=notes)
+                       markdown_table(headers, rows, left=4), notes=notes)
     fig, ax = pyplot().subplots(figsize=(9, 5.5))
     for name, colour in zip(arms, pyplot().cm.tab10.colors * 2):
         curves = result['runs'][name]
@@ -530,7 +618,7 @@ def report(result: dict, cfg: LadderConfig):
     ax.legend(fontsize=7)
     ax.set_title(f"{result['device']}, torch {result['torch']}, {result['date'][:10]}", fontsize=8)
     save_figure(fig, png, dpi=110)
-    print(markdown_table(headers, rows, left=2))
+    print(markdown_table(headers, rows, left=4))
 
 
 def main(argv=None) -> int:

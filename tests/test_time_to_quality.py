@@ -98,6 +98,40 @@ def test_the_summary_reports_reach_ratios_and_bounds():
     assert base['eval_minutes'] == pytest.approx((0.3, 0.0)) and fast['final'] == (8, None)
 
 
+def test_a_lever_stays_for_the_arms_below_only_where_it_paid(tmp_path, monkeypatch):
+    # Hand-made runs: bf16 trains slower than the baseline, channels-last faster, v-prediction reaches the
+    # baseline's final score (12) sooner, Min-SNR later. The arms below must build on what paid only.
+    def run(img_per_s, *points):  # (score, minutes) at 100, 200, ... images
+        return {'curve': [{'images': 100 * (i + 1), 'score': s, 'minutes': m, 'eval_seconds': 1.0}
+                          for i, (s, m) in enumerate(points)], 'img_per_s': img_per_s, 'train_minutes': points[-1][1]}
+    made = {'baseline': run(100, (40, 2), (12, 4)), '+ bf16': run(90, (40, 2), (11, 4)),
+            '+ channels-last': run(120, (40, 2), (12, 3.5)), '+ fused Adam': run(120, (40, 2), (12, 3.5)),
+            '+ compile': run(110, (40, 2), (12, 3.7)), '+ v-prediction': run(120, (12, 1.5), (9, 3.5)),
+            '+ Min-SNR-5': run(120, (20, 2), (12, 3.5)), '+ batch 64': run(150, (11, 1.2), (9, 2.4)),
+            'diffusers recipe': run(80, (60, 3), (30, 6)), 'diffusers recipe at our lr': run(80, (50, 3), (20, 6))}
+    seen = {}
+
+    def fake(jobs, cfg, stop):
+        for arm, _ in jobs:
+            seen[arm.name] = arm.flags
+        return {name: [made[name]] * sum(a.name == name for a, _ in jobs) for name in {a.name for a, _ in jobs}}
+    cpu = torch.device('cpu')
+    monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
+    monkeypatch.setattr(ttq, 'run_group', fake)
+    cfg = ttq.LadderConfig(seeds=2, other_seeds=1)
+    arms, runs, built = ttq.climb(ttq.speed_arms(cpu), cfg, ttq.StopFlag())
+    kept = {name: (b['builds_on'], b['kept']) for name, b in built.items()}
+    assert kept == {'+ bf16': ('baseline', False), '+ channels-last': ('baseline', True),
+                    '+ fused Adam': ('+ channels-last', False), '+ compile': ('+ channels-last', False),
+                    '+ v-prediction': ('+ channels-last', True), '+ Min-SNR-5': ('+ v-prediction', False),
+                    '+ batch 64': ('+ v-prediction', True)}
+    assert seen['+ batch 64'] == ttq.BASELINE + ['--channels-last', '--prediction', 'v', '--batch-size', '64',
+                                                 '--lr', '3e-3']
+    assert seen['+ compile'] == ttq.BASELINE + ['--channels-last', '--compile']
+    assert [a.name for a in arms][-2:] == ['diffusers recipe', 'diffusers recipe at our lr']
+    assert len(runs['baseline']) == len(runs['diffusers recipe']) == 2 and len(runs['+ bf16']) == 1
+
+
 def test_the_recipes_ema_is_judged_through_our_network_as_the_same_function():
     import diffusers_io
     from model import get_config
@@ -144,16 +178,24 @@ def test_another_ladders_runs_are_refused(tmp_path, capsys):
 def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capability(monkeypatch, tmp_path, capsys):
     import devices
     cpu = torch.device('cpu')
+    every_lever = {'amp': 'bf16', 'compile': True, 'channels_last': True, 'fused_adam': True}
+    monkeypatch.setattr(train, 'CPU_FAST_PATH', every_lever)  # so that either way is seen, whatever the table holds
+
+    def defaults():
+        cfg = train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu)
+        return {name: getattr(cfg, name) for name in every_lever}
     for module in (devices, train, ttq):
         monkeypatch.setattr(module, 'cpu_has_native_bf16', lambda: False)
-    assert train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu).amp == 'off'
+    assert defaults() == {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': False}
     code, err = refusal(capsys, train.cli, ['--device', 'cpu', '--amp', 'bf16', '--preset', 'tiny', '--out-dir',
                                             str(tmp_path / 'run')])
     assert code == 2 and 'no native bf16' in err and not (tmp_path / 'run').exists()
     assert '+ bf16' not in [a.name for a in ttq.speed_arms(cpu)]
     monkeypatch.setattr(train, 'cpu_has_native_bf16', lambda: True)
     monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
-    assert train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu).amp == train.CPU_FAST_PATH['amp']
+    assert defaults() == every_lever
+    given = train.resolve_defaults(train.TrainConfig(preset='tiny', amp='off', compile=False), cpu)
+    assert (given.amp, given.compile, given.channels_last) == ('off', False, True)  # a flag given wins
     assert '+ bf16' in [a.name for a in ttq.speed_arms(cpu)]
 
 
