@@ -91,9 +91,12 @@ class Lever:
     judged_by: str  # 'speed': kept below when it trains faster; 'time': when it reaches the baseline's score sooner
 
 
-def speed_levers(device) -> list:
+def speed_levers(device, cfg: LadderConfig) -> list:
     """The speed ladder's levers in the order of the speed-up table: how fast a step runs, then how many
-    images the samples need."""
+    images the samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2))."""
+    preset = train.check_flags(base_flags(cfg))
+    mantissa, exponent = f'{preset.lr * math.sqrt(2):.0e}'.split('e')
+    batch, lr = 2 * preset.batch_size, f'{mantissa}e{int(exponent)}'  # 2e-3 -> '3e-3'
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
     return levers + [
@@ -103,8 +106,8 @@ def speed_levers(device) -> list:
               'speed'),
         Lever('+ v-prediction', 'the network predicts v (Salimans & Ho, 2022)', ['--prediction', 'v'], 'time'),
         Lever('+ Min-SNR-5', 'loss weights min(SNR, 5) (Hang et al., 2023)', ['--loss-weight', 'min-snr'], 'time'),
-        Lever('+ batch 64', "twice the tiny preset's batch, the learning rate x sqrt(2) (3e-3)",
-              ['--batch-size', '64', '--lr', '3e-3'], 'time')]
+        Lever(f'+ batch {batch}', f"twice the {cfg.preset} preset's batch, the learning rate x sqrt(2) ({lr})",
+              ['--batch-size', str(batch), '--lr', lr], 'time')]
 
 
 BASELINE_ARM = Arm('baseline', "the paper's recipe as train.py runs it here: fp32, eager, NCHW, foreach Adam", BASELINE)
@@ -113,11 +116,11 @@ RECIPE_ARMS = [Arm('diffusers recipe', "diffusers' train_unconditional.py loop a
                Arm('diffusers recipe at our lr', "the same at our preset's learning rate and batch", recipe='ours')]
 
 
-def speed_arms(device, names=()) -> list:
+def speed_arms(device, cfg: LadderConfig, names=()) -> list:
     """The baseline, each lever (of `names`, or all) on top of every one above it, and the two recipes:
     the ladder's arms as they run when every lever is kept (climb() keeps only those that pay)."""
     arms, stack = [BASELINE_ARM], list(BASELINE)
-    for lever in speed_levers(device):
+    for lever in speed_levers(device, cfg):
         if not names or lever.name in names:
             stack = stack + lever.flags
             arms.append(Arm(lever.name, lever.changes, stack))
@@ -335,14 +338,14 @@ def summarise(runs: dict, targets: dict) -> dict:
 def plan(cfg: LadderConfig) -> list:
     """The arms to run, each checked by train.py's own validation before any run starts."""
     device = pick_device(cfg.device)
-    every = speed_arms(device) if cfg.ladder == 'speed' else prediction_arms(device)
+    every = speed_arms(device, cfg) if cfg.ladder == 'speed' else prediction_arms(device)
     names = [n.strip() for n in cfg.arms.split(',') if n.strip()]
     unknown = [n for n in names if n not in {a.name for a in every}]
     if unknown:
         raise ConfigError(f"--arms: no arm named {', '.join(map(repr, unknown))}; the arms of --ladder {cfg.ladder} "
                           f"are: {', '.join(a.name for a in every)}")
     if cfg.ladder == 'speed':
-        arms = speed_arms(device, names)
+        arms = speed_arms(device, cfg, names)
     else:
         arms = [a for a in every if not names or a.name in names or a.name == 'baseline']
     for arm in arms:
@@ -432,7 +435,8 @@ def run_all(jobs: list, cfg: LadderConfig, stop: StopFlag) -> list | None:
                 if process.exitcode == STOPPED:
                     stop.reason = stop.reason or 'a stop in a worker'
                 elif process.exitcode != 0:
-                    failed = f'{arm.name}, seed {seed}: its run failed (exit code {process.exitcode}; the error is above)'
+                    failed = (f'{arm.name}, seed {seed}: its run failed (exit code {process.exitcode}; the error is '
+                              f'above)')
     finally:
         for process in running:  # their runs save and exit
             if process.is_alive():
@@ -492,7 +496,7 @@ def climb(arms: list, cfg: LadderConfig, stop: StopFlag) -> tuple | None:
     """The speed ladder: the baseline's and the recipes' seeds, then each lever on top of the levers
     kept so far (pays() decides). Returns (the arms as they ran, their runs, {arm: the arm it builds on,
     whether it was kept}), or None when a signal stopped it."""
-    levers = {lever.name: lever for lever in speed_levers(pick_device(cfg.device))}
+    levers = {lever.name: lever for lever in speed_levers(pick_device(cfg.device), cfg)}
     fixed = [a for a in arms if a.name not in levers]
     runs = run_group([(a, seed) for a in fixed for seed in range(cfg.seeds if a.name in (
         'baseline', 'diffusers recipe') else cfg.other_seeds)], cfg, stop)
@@ -550,8 +554,8 @@ def ladder(cfg: LadderConfig) -> dict | None:
 
 
 def stopped(stop: StopFlag):
-    print(f'stopped by {stop.reason or "a signal"}: no report written (it would hold unfinished runs); the same command '
-          f'continues, reusing the finished runs', flush=True)
+    print(f'stopped by {stop.reason or "a signal"}: no report written (it would hold unfinished runs); the same '
+          f'command continues, reusing the finished runs', flush=True)
     return None
 
 
@@ -570,7 +574,8 @@ def report(result: dict, cfg: LadderConfig):
 
     def ratio(value):
         return '-' if value is None else ('> ' if value['bound'] else '') + f"{value['ratio']:.2f}x"
-    headers = ['Arm', 'what it changes', 'on top of', 'kept below', 'seeds', 'img/s', f"minutes to {targets['final_target']:.2f}",
+    headers = ['Arm', 'what it changes', 'on top of', 'kept below', 'seeds', 'img/s',
+               f"minutes to {targets['final_target']:.2f}",
                f"images to {targets['final_target']:.2f}"]
     if 'harder_target' in targets:
         headers += [f"minutes to {targets['harder_target']:.2f}", f"images to {targets['harder_target']:.2f}"]
@@ -589,11 +594,12 @@ def report(result: dict, cfg: LadderConfig):
     notes = (f"; {cfg.preset} preset, {cfg.dataset} {cfg.image_size}x{cfg.image_size}, {cfg.images:,} training images "
              f"per run, {score} of {cfg.eval_samples} EMA samples ({cfg.sampler}, {cfg.sample_steps} calls) every "
              f"{cfg.eval_every:,} images" + (f"; floor {result['floor']:.2f}" if result['floor'] else '') +
-             f". Targets: the baseline's final score (the worst of its seeds) and {targets.get('harder_target', 'none')}. Mean +- sd "
-             f"over seeds; a lever stays for the arms below ('kept below') when it trains faster (img/s; levers of speed) or "
-             f"reaches the first target in fewer minutes (levers of the images needed) than the arm it is on top of; "
-             f"training minutes count the first (compiling) step, not the evaluations; a target not "
-             f"reached by every seed is 'not reached', never extrapolated; '>' marks a ratio to a peer that never "
+             f". Targets: the baseline's final score (the worst of its seeds) and "
+             f"{targets.get('harder_target', 'none')}. Mean +- sd over seeds; a lever stays for the arms below "
+             f"('kept below') when it trains faster (img/s; levers of speed) or reaches the first target in fewer "
+             f"minutes (levers of the images needed) than the arm it is on top of; training minutes count the first "
+             f"(compiling) step, not the evaluations; a target not reached by every seed is 'not reached', never "
+             f"extrapolated; '>' marks a ratio to a peer that never "
              f"reached it (its whole training time)")
     png = write_report(cfg.out_dir, cfg.stem, result, 'Time to quality: training minutes to a score, per lever',
                        markdown_table(headers, rows, left=4), notes=notes)

@@ -119,7 +119,7 @@ def test_a_lever_stays_for_the_arms_below_only_where_it_paid(tmp_path, monkeypat
     monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
     monkeypatch.setattr(ttq, 'run_group', fake)
     cfg = ttq.LadderConfig(seeds=2, other_seeds=1)
-    arms, runs, built = ttq.climb(ttq.speed_arms(cpu), cfg, ttq.StopFlag())
+    arms, runs, built = ttq.climb(ttq.speed_arms(cpu, cfg), cfg, ttq.StopFlag())
     kept = {name: (b['builds_on'], b['kept']) for name, b in built.items()}
     assert kept == {'+ bf16': ('baseline', False), '+ channels-last': ('baseline', True),
                     '+ fused Adam': ('+ channels-last', False), '+ compile': ('+ channels-last', False),
@@ -190,13 +190,13 @@ def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capabil
     code, err = refusal(capsys, train.cli, ['--device', 'cpu', '--amp', 'bf16', '--preset', 'tiny', '--out-dir',
                                             str(tmp_path / 'run')])
     assert code == 2 and 'no native bf16' in err and not (tmp_path / 'run').exists()
-    assert '+ bf16' not in [a.name for a in ttq.speed_arms(cpu)]
+    assert '+ bf16' not in [a.name for a in ttq.speed_arms(cpu, ttq.LadderConfig())]
     monkeypatch.setattr(train, 'cpu_has_native_bf16', lambda: True)
     monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
     assert defaults() == every_lever
     given = train.resolve_defaults(train.TrainConfig(preset='tiny', amp='off', compile=False), cpu)
     assert (given.amp, given.compile, given.channels_last) == ('off', False, True)  # a flag given wins
-    assert '+ bf16' in [a.name for a in ttq.speed_arms(cpu)]
+    assert '+ bf16' in [a.name for a in ttq.speed_arms(cpu, ttq.LadderConfig())]
 
 
 def _script(root, tmp_path, *extra):
