@@ -64,7 +64,8 @@ def gather_to_rank0(values: tuple, rank: int, world_size: int, group) -> list:
 @torch.no_grad()
 def ranks_identical(model: torch.nn.Module, group) -> bool:
     """Whether every rank's weights equal rank 0's, bit for bit."""
-    weights = torch.nn.utils.parameters_to_vector(model.parameters())
+    # reshape, not parameters_to_vector's view: channels-last weights are not contiguous in NCHW order
+    weights = torch.cat([p.reshape(-1) for p in model.parameters()])
     reference = weights.clone()
     dist.broadcast(reference, src=0)
     return not any_rank(not torch.equal(weights, reference), group)

@@ -101,7 +101,8 @@ def test_init_from_a_diffusers_folder_trains_the_loaded_model(tmp_path):
     theirs = small_diffusers_folder(tmp_path / 'released')
     cpu = torch.device('cpu')
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
-                                                   batch_size=4, device='cpu'), cpu)
+                                                   batch_size=4, device='cpu', channels_last=False), cpu)
+    # NCHW, as diffusers' side below: randn_like draws a channels-last batch's noise in another order
     init = checkpoint.initial_weights(str(tmp_path / 'released'), train.model_config_of(cfg))
     run = train.build_run(cfg, cpu, progress=False, init=init)
     assert all(torch.equal(t, run.ema.state_dict()[k]) for k, t in run.model.state_dict().items())

@@ -120,7 +120,8 @@ def reference_step(model, ema, optimizer, x0, step, lr, clip, generator_state):
 def test_train_step_is_the_papers_step():
     cpu = torch.device('cpu')
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', image_size=16, batch_size=4,
-                                                   lr=1e-3, warmup=10, grad_clip=0.5, dropout=0.0, device='cpu'), cpu)
+                                                   lr=1e-3, warmup=10, grad_clip=0.5, dropout=0.0, device='cpu',
+                                                   channels_last=False), cpu)  # the reference's NCHW noise
     run = train.build_run(cfg, cpu, dataset=data.ImageTensorDataset(data.make_shapes(16, 16)), progress=False)
     run.model.double(), run.ema.double()  # float64: Adam's first steps are sign(grad) x lr, so in float32
     # rounding decides the sign of the near-zero gradients
@@ -207,7 +208,7 @@ def test_the_loss_runs_the_model_in_the_runs_precision_and_layout(amp, channels_
 def test_build_run_compiles_the_whole_loss_in_one_graph(monkeypatch):
     compiled = []
     monkeypatch.setattr(torch, 'compile', lambda function, **options: compiled.append((function, options)) or function)
-    run = tiny_run(compile=True, compile_mode='max-autotune')
+    run = tiny_run(compile=True, compile_mode='max-autotune', channels_last=False)  # NCHW noise, as below
     ((function, options),) = compiled
     assert function is run.compute_loss and options == {'fullgraph': True, 'mode': 'max-autotune'}
     x0 = next(train.batches(run, 0))
@@ -490,7 +491,8 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path, root):
 
 def test_ddp_two_gloo_ranks_end_identical(tmp_path, root):
     args = train_args(tmp_path, '--steps', '6', '--dropout', '0.1', '--eval-every', '24', '--no-eval-fid',
-                      '--eval-bpd-images', '6', '--eval-bpd-timesteps', '2')
+                      '--eval-bpd-images', '6', '--eval-bpd-timesteps', '2',
+                      '--channels-last')  # as on a GPU: the ranks' final check reads non-contiguous weights
     result = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', '2',
                              'train.py', *args],
                             cwd=root, capture_output=True, text=True, timeout=240,
