@@ -175,7 +175,8 @@ def test_the_compiled_loss_is_one_graph_without_recompiles_and_trains_as_eager()
     runs = []
     for compiled in (False, True):
         torch.manual_seed(0)
-        run = tiny_run(warmup=10, dropout=0.1, ema_decay=0.999)
+        run = tiny_run(warmup=10, dropout=0.1, ema_decay=0.999, channels_last=False)  # NCHW on every CPU: the
+        # key bias's zero gradient turns rounding into lr-sized Adam steps, and the rounding differs by layout
         if compiled:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()  # reset() leaves them: earlier tests' graphs would count
