@@ -165,7 +165,8 @@ def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset
 
     def measure():
         loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
-                               bench.num_workers, data.channels_of(dataset_name))
+                               bench.num_workers, data.channels_of(dataset_name),
+                               flip=data.flipped_in_training(dataset_name))
         torch.manual_seed(bench.seed)
         parts, stream = recipe_parts(model_config(bench), device, len(loader), row_cfg.amp), recipe_batches(loader)
         return throughput(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench, name),

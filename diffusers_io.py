@@ -360,11 +360,12 @@ class DiffusersUNet(torch.nn.Module):
 
 # diffusers' unconditional training example (examples/unconditional_image_generation/
 # train_unconditional.py) as its README runs it (--center_crop --random_flip --use_ema) with its
-# default hyperparameters; the worker count and the precision are ours (--num-workers, the fastest
-# row's), since its defaults (0 workers, fp32) would only flatter us.
+# default hyperparameters, except that it flips only where our runs flip (never digits: a mirrored 2 is
+# no digit; recipe_loader's `flip`); the worker count and the precision are ours (--num-workers, the
+# fastest row's), since its defaults (0 workers, fp32) would only flatter us.
 RECIPE = {'lr': 1e-4, 'betas': (0.95, 0.999), 'weight_decay': 1e-6, 'eps': 1e-8, 'lr_schedule': 'cosine',
           'lr_warmup_steps': 500, 'epochs': 100, 'grad_clip': 1.0, 'ema_max_decay': 0.9999, 'ema_inv_gamma': 1.0,
-          'ema_power': 3 / 4, 'center_crop': True, 'random_flip': True}
+          'ema_power': 3 / 4, 'center_crop': True, 'random_flip': 'as our runs flip'}
 
 
 def recipe_parts(config, device: torch.device, steps_per_epoch: int, amp: str, total_steps: int = None,
@@ -420,15 +421,17 @@ def recipe_step(parts: dict, clean_images: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
-def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int, channels: int = 3):
+def recipe_loader(folder: str, image_size: int, batch_size: int, num_workers: int, channels: int = 3,
+                  flip: bool = True):
     """The example's data path: image files decoded by PIL in DataLoader workers, its transforms
-    (resize, centre crop, random flip, to [-1, 1]), shuffled; no pinned memory. ImageFolder reads
-    RGB; for a one-channel network (digits) the images are made grey again, which the example,
-    written for RGB, never does."""
+    (resize, centre crop, random flip with --random_flip, to [-1, 1]), shuffled; no pinned memory.
+    `flip`: our data rule (data.flipped_in_training: never for digits), where the example's README
+    passes --random_flip. ImageFolder reads RGB; for a one-channel network (digits) the images are
+    made grey again, which the example, written for RGB, never does."""
     from torchvision import datasets, transforms
     augmentations = transforms.Compose([transforms.Grayscale(1)] * (channels == 1) + [
         transforms.Resize(image_size, interpolation=transforms.InterpolationMode.BILINEAR),
-        transforms.CenterCrop(image_size), transforms.RandomHorizontalFlip(), transforms.ToTensor(),
+        transforms.CenterCrop(image_size)] + [transforms.RandomHorizontalFlip()] * flip + [transforms.ToTensor(),
         transforms.Normalize([0.5], [0.5])])
     images = datasets.ImageFolder(folder, transform=augmentations)
     return torch.utils.data.DataLoader(images, batch_size=batch_size, shuffle=True, num_workers=num_workers)

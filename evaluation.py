@@ -353,6 +353,11 @@ def evaluation_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 1]).generate_state(1)[0])
 
 
+def score_key(dataset: str) -> str:
+    """The evaluation row's key of a data set's score: the digits FD for digits, FID for the rest."""
+    return 'digits_fd' if dataset == 'digits' else 'fid'
+
+
 class Evaluator:
     """FID of EMA samples (the digits score for digits) and a Monte Carlo estimate of the EMA's
     bits/dim on held-out images, for train.py --eval-every. Every rank takes a share (batches of

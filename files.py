@@ -128,6 +128,15 @@ def claim_folder(folder: str, flag: str, leftovers: tuple = (), set_aside: tuple
     return release
 
 
+def folder_in_use(folder: str) -> dict | None:
+    """The holder of FOLDER/lock (claim_folder's) while its process may still run, else None."""
+    lock = os.path.join(folder, 'lock')
+    if not os.path.exists(lock):
+        return None
+    holder = _lock_holder(lock)
+    return None if _dead_here(holder) else holder
+
+
 def _lock_holder(path: str) -> dict:
     try:
         with open(path) as f:

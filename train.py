@@ -100,6 +100,9 @@ class TrainConfig:
     eval_samples: int | None = flag(None, 'EMA samples per FID, drawn with --sampler and --sample-steps (default '
                                           '10000; papers report 50,000; fewer samples read higher); digits: 450, '
                                           'the size of the held-out split that sets the score\'s floor', at_least=2)
+    stop_at_score: float | None = flag(None, 'end the run (checkpoint, exit 0) at the first evaluation whose score '
+                                             '(FID; digits: the digits FD) is at or below this: training to a '
+                                             'target, as scripts/time_to_quality.py does', positive=True)
     eval_bpd_images: int = flag(1000, 'held-out images of the bits/dim estimate', at_least=1)
     eval_bpd_timesteps: int = flag(32, 'timesteps of the Monte Carlo bits/dim estimate: 1 + this many model calls '
                                        'per held-out image', at_least=1, at_most=NUM_TIMESTEPS - 1)
@@ -312,7 +315,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     log.start_loop()
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
-        eval_owed = not evaluate(run, evaluator, log, step)
+        eval_owed = evaluate(run, evaluator, log, step) is None
         if step >= total_steps:  # resumed at the target only for it
             save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
             return finish_run(run, step, run.stop.reason if eval_owed else None, log, ckpt_path)
@@ -334,9 +337,12 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
                 unlogged = 0
             # Evaluate: FID and bits/dim of the EMA, every --eval-every training images.
             if eval_owed and not stopped:
-                eval_owed = not evaluate(run, evaluator, log, step)
+                scored = evaluate(run, evaluator, log, step)
+                eval_owed = scored is None
                 if eval_owed:  # cut short by a stop: save now
                     stopped = must_save = run.stop.reason
+                elif any_rank(score_reached(cfg, scored), run.control_group):  # --stop-at-score: the run's end
+                    at_end = must_save = True
             # Checkpoint, once proven good (finite weights and held-out losses), before the grid.
             if must_save:
                 save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
@@ -450,6 +456,9 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     check_ranges(cfg)
     if cfg.snr_gamma is not None and cfg.loss_weight != 'min-snr':
         raise ConfigError(f'--snr-gamma {cfg.snr_gamma} weights nothing without --loss-weight min-snr')
+    if cfg.stop_at_score and not (cfg.eval_every and (cfg.eval_fid or cfg.dataset == 'digits')):
+        raise ConfigError(f'--stop-at-score {cfg.stop_at_score} needs evaluations with a score: --eval-every N'
+                          + (' and --eval-fid' if cfg.dataset != 'digits' else ''))
     if cfg.batch_size % world_size:
         raise ConfigError(f'--batch-size {cfg.batch_size} does not split evenly over {world_size} ranks')
     if cfg.amp == 'fp16' and device.type != 'cuda':
@@ -528,9 +537,9 @@ def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float
     return row
 
 
-def evaluate(run: Run, evaluator, log, step: int) -> bool:
-    """An evaluation row (evaluation.Evaluator); False if a stop cut it short (in one process; under
-    DDP the ranks are inside its collectives, so it finishes)."""
+def evaluate(run: Run, evaluator, log, step: int) -> dict | None:
+    """An evaluation row (evaluation.Evaluator; {} on ranks other than 0); None if a stop cut it
+    short (in one process; under DDP the ranks are inside its collectives, so it finishes)."""
     hours = log.training_seconds() / 3600
     with log.paused():
         try:
@@ -538,7 +547,7 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
                 row = evaluator(step, hours)
         except StopRequested:
             log.print(f'evaluation at step {step} left out: a stop was requested; the resumed run owes it')
-            return False
+            return None
     if row:  # rank 0
         log.write(row)
         fid = f", FID {row['fid']:.2f} ({row['fid_samples']} samples)" if 'fid' in row else ''
@@ -548,7 +557,13 @@ def evaluate(run: Run, evaluator, log, step: int) -> bool:
         log.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
                   f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
         log.draw_curves(force=True)
-    return True
+    return row
+
+
+def score_reached(cfg: TrainConfig, row: dict) -> bool:
+    """Whether an evaluation's score (rank 0's row) is at or below --stop-at-score."""
+    score = row.get(evaluation.score_key(cfg.dataset)) if cfg.stop_at_score else None
+    return score is not None and score <= cfg.stop_at_score
 
 
 def save_if_good(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):

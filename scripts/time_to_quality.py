@@ -1,21 +1,31 @@
 """Time to quality: training minutes until samples reach a score, for the paper's recipe as train.py
-runs it, for each lever added on top of it (one per arm, in the order of the speed-up table; a lever
-stays for the arms below only where it paid: faster steps, or the baseline's score in fewer minutes),
-and for diffusers' training recipe on the same images, all in one ladder. Each run trains with an evaluation
-every --eval-every images; the clock counts training alone (the first, compiling step included),
-evaluations are timed apart. Targets: the baseline's final score (its worst seed's), and --target.
+runs it, for each lever added on top of it, and for diffusers' training recipe on the same images, in
+one ladder. Every run is scored every --eval-every images and ends when its score reaches --target
+(12.3 for digits); the clock counts training alone (the first, compiling step included).
 
-    python scripts/time_to_quality.py --out-dir results                    # the CPU ladder on digits
-    python scripts/time_to_quality.py --ladder prediction --seeds 3         # v-prediction and Min-SNR, by seed
-    python scripts/time_to_quality.py --arms 'baseline,diffusers recipe' --seeds 1 --images 2000 --eval-every 1000 \\
-        --out-dir /tmp/q --runs-dir /tmp/q/runs                             # a smoke run
+The ladder, in the order it runs (each step a part that `--train` can run alone):
+  baseline    the paper's recipe, --seeds seeds (the headline's reference);
+  peer        diffusers' recipe: its lr over a grid at its batch and at ours (one seed each at
+              --screen-images), then the best variant at --seeds seeds;
+  speed       levers of the step's speed, each on the levers kept so far, --lever-seeds seeds paired
+              with the arm below at --speed-images, judged by img/s;
+  quality     levers of the images needed, each on the levers kept so far, --lever-seeds seeds paired
+              with the arm below, judged by the minutes to --target;
+  fastest     the fastest arm to --seeds seeds.
+A lever is kept when its mean paired gain exceeds the standard deviation of its paired gains (the
+pairs' spread); the report shows each gain with its 95% interval, and the headline ratios with theirs.
+
+    python scripts/time_to_quality.py                          # the CPU ladder on digits (hours; in parts)
+    python scripts/time_to_quality.py --train baseline         # one part; the others' finished runs are read
+    python scripts/time_to_quality.py --ladder prediction --seeds 3   # v-prediction and Min-SNR, side by side
     python scripts/time_to_quality.py --dataset cifar10 --preset ddpm-cifar10 --device cuda \\
-        --images 20000000 --eval-every 2000000 --eval-samples 10000 --target 5  # FID on a GPU
+        --images 20000000 --eval-every 2000000 --eval-samples 10000 --target 5   # FID on a GPU
 
-Runs go to RUNS_DIR/<arm>-seed<k>/ and a finished one (its curve.json) is reused, so a stopped or
-killed ladder continues with the same command; an unfinished run is trained again from its start.
-The report: OUT_DIR/STEM.{json,md,png}.
+Each finished run's curve is OUT_DIR/STEM-runs/<arm>-<images>-seed<k>.json (commit it: a ladder on
+another machine continues from these); RUNS_DIR holds the runs in progress. The report, written once
+every run of the ladder is finished: OUT_DIR/STEM.{json,md,png}.
 """
+import dataclasses
 import json
 import math
 import os
@@ -33,30 +43,45 @@ import data  # noqa: E402
 import diffusion  # noqa: E402
 import evaluation  # noqa: E402
 import train  # noqa: E402
-from cli import (ConfigError, StopFlag, brief, check_plain_name, check_ranges, flag, parse_config,  # noqa: E402
-                 run_main)
-from devices import cpu_has_native_bf16, device_name, pick_device  # noqa: E402
+from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, check_ranges, flag,  # noqa: E402
+                 parse_config, run_main)
+from devices import cpu_has_native_bf16, device_name, device_slug, pick_device  # noqa: E402
 from diffusers_io import (diffusers_config, diffusers_missing_reason, recipe_batches,  # noqa: E402
                           recipe_loader, recipe_parts, recipe_step, state_dict_from_diffusers, write_image_folder)
 from drawing import Sampling, draw  # noqa: E402
-from files import atomic_open, check_creatable, check_writable, claim_folder, write_once  # noqa: E402
+from files import (atomic_open, check_creatable, check_writable, claim_folder, folder_in_use,  # noqa: E402
+                   write_once)
 from model import UNet, get_config  # noqa: E402
 from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+
+PARTS = ('baseline', 'peer', 'speed', 'quality', 'fastest')
 
 
 @dataclass
 class LadderConfig:
-    ladder: str = flag('speed', 'which arms: speed (the baseline, one lever added per arm, the diffusers recipe) or '
-                                'prediction (the paper\'s eps and L_simple against v-prediction, Min-SNR-5 and both)',
+    ladder: str = flag('speed', 'which arms: speed (the baseline, the levers, the diffusers recipe) or prediction '
+                                '(the paper\'s eps and L_simple against v-prediction, Min-SNR-5 and both)',
                        choices=('speed', 'prediction'))
-    arms: str = flag('', 'comma-separated arm names to run (default: all of --ladder; the baseline always runs)')
-    seeds: int = flag(3, 'seeds of the baseline, the recipe and the fastest arm', at_least=1)
-    other_seeds: int = flag(1, 'seeds of every other arm', at_least=1)
-    images: int = flag(100_000, 'training images per run', at_least=1)
+    arms: str = flag('', 'comma-separated levers and diffusers variants in the ladder (default: all; the baseline and '
+                         'the diffusers recipe at its own settings always run): a smaller ladder')
+    train: str = flag('', 'comma-separated parts whose runs this command trains (' + ', '.join(PARTS) + '; default: '
+                          'all); the other parts\' runs are read back finished, and the ladder stops where one is '
+                          'missing')
+    seeds: int = flag(5, 'seeds of the baseline, the best diffusers variant and the fastest arm (the headline '
+                         'ratios); of every arm in the prediction ladder', at_least=1)
+    lever_seeds: int = flag(3, 'seeds of each lever, the same seeds as the arm below it (paired)', at_least=2)
+    images: int = flag(400_000, 'planned training images of a run (its lr schedule\'s length); it ends at its first '
+                                'evaluation at or below --target', at_least=1)
+    speed_images: int = flag(25_000, 'training images of each run of the speed levers and of the arm below them '
+                                     '(judged by img/s alone)', at_least=1)
+    screen_images: int = flag(100_000, 'training images of each diffusers variant\'s screen (one seed; judged by '
+                                       'the mean of its last two scores)', at_least=1)
+    easy_at: int = flag(100_000, 'the easier target: the score the baseline\'s worst seed has after this many '
+                                 'images', at_least=1)
     eval_every: int = flag(12_500, 'training images between evaluations', at_least=1)
     eval_samples: int = flag(450, 'samples per score (digits: 450, the size of the floor\'s held-out set)', at_least=2)
-    target: float | None = flag(None, 'the harder target score (default for the digits score, whose floor is about '
-                                      '7: 12.3, what the paper\'s objective reaches in 242k images; none for FID)',
+    target: float | None = flag(None, 'the target score (default for the digits score, whose floor is about 7: 12.3, '
+                                      'what the paper\'s objective reaches in about 242k images; FID: needed)',
                                 positive=True)
     sampler: str = flag('dpm++', 'sampler of the evaluations', choices=('ddim', 'dpm++', 'ddpm'))
     sample_steps: int = flag(20, 'its model calls', at_least=1)
@@ -66,9 +91,9 @@ class LadderConfig:
     image_size: int = flag(16, 'image resolution', at_least=4)
     device: str = flag('cpu', 'cpu, cuda or cuda:N')
     data_dir: str = flag('./data', 'the data (and the digit classifier\'s cache; the recipe\'s PNG copy)')
-    runs_dir: str = flag('runs/time-to-quality', 'where the runs go')
-    out_dir: str = flag('results', 'where the report goes')
-    stem: str = flag('cpu-digits-time-to-quality', 'report file name stem')
+    runs_dir: str = flag('runs/time-to-quality', 'where the runs in progress go')
+    out_dir: str = flag('results', 'where the report and the finished runs\' curves go')
+    stem: str = flag('', 'report file name stem (default: <device>-<dataset>-time-to-quality, or -prediction-study)')
     workers: int = flag(1, 'runs trained at once, each in its own process (then set OMP_NUM_THREADS; times are '
                            'then of a shared machine)', at_least=1)
 
@@ -77,11 +102,8 @@ class LadderConfig:
 class Arm:
     name: str
     changes: str  # what it changes, in words
-    flags: list = field(default_factory=list)  # train.py flags on top of the common ones
-    recipe: str = ''  # a diffusers recipe arm: 'its own' settings, or 'ours' (our lr and batch); '': train.py
-
-
-BASELINE = ['--amp', 'off', '--no-compile', '--no-channels-last', '--no-fused-adam']  # fp32 eager, as the paper's
+    flags: list = field(default_factory=list)  # train.py flags on top of the common ones; a recipe's --batch-size, --lr
+    recipe: bool = False  # diffusers' training example instead of train.py
 
 
 @dataclass
@@ -89,18 +111,26 @@ class Lever:
     name: str
     changes: str
     flags: list
-    judged_by: str  # 'speed': kept below when it trains faster; 'time': when it reaches the baseline's score sooner
+    judged_by: str  # 'speed': img/s at --speed-images; 'time': minutes to --target
+
+
+BASELINE = ['--amp', 'off', '--no-compile', '--no-channels-last', '--no-fused-adam']  # fp32 eager, as the paper's
+BASELINE_ARM = Arm('baseline', "the paper's recipe as train.py runs it here: fp32, eager, NCHW, foreach Adam", BASELINE)
+
+
+def ours(cfg: LadderConfig) -> train.TrainConfig:
+    return train.check_flags(base_flags(cfg))
 
 
 def speed_levers(device, cfg: LadderConfig) -> list:
-    """The speed ladder's levers in the order of the speed-up table: how fast a step runs, then how many
-    images the samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2))."""
-    preset = train.check_flags(base_flags(cfg))
+    """The levers in the order of the speed-up table: how fast a step runs, then how many images the
+    samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2))."""
+    preset = ours(cfg)
     mantissa, exponent = f'{preset.lr * math.sqrt(2):.0e}'.split('e')
     batch, lr = 2 * preset.batch_size, f'{mantissa}e{int(exponent)}'  # 2e-3 -> '3e-3'
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
-    return levers + [
+    return chosen(cfg, levers + [
         Lever('+ channels-last', 'channels-last memory format', ['--channels-last'], 'speed'),
         Lever('+ fused Adam', 'one fused Adam kernel', ['--fused-adam'], 'speed'),
         Lever('+ compile', 'torch.compile of the whole loss (Inductor; its compile time is counted)', ['--compile'],
@@ -108,29 +138,29 @@ def speed_levers(device, cfg: LadderConfig) -> list:
         Lever('+ v-prediction', 'the network predicts v (Salimans & Ho, 2022)', ['--prediction', 'v'], 'time'),
         Lever('+ Min-SNR-5', 'loss weights min(SNR, 5) (Hang et al., 2023)', ['--loss-weight', 'min-snr'], 'time'),
         Lever(f'+ batch {batch}', f"twice the {cfg.preset} preset's batch, the learning rate x sqrt(2) ({lr})",
-              ['--batch-size', str(batch), '--lr', lr], 'time')]
+              ['--batch-size', str(batch), '--lr', lr], 'time')])
 
 
-BASELINE_ARM = Arm('baseline', "the paper's recipe as train.py runs it here: fp32, eager, NCHW, foreach Adam", BASELINE)
-RECIPE_ARMS = [Arm('diffusers recipe', "diffusers' train_unconditional.py loop and settings (AdamW 1e-4, cosine, "
-                                       "EMAModel warm-up, batch 16, 0 workers), fp32 eager", recipe='its own'),
-               Arm('diffusers recipe at our lr', "the same at our preset's learning rate and batch", recipe='ours')]
+def chosen(cfg: LadderConfig, items: list) -> list:
+    names = {n.strip() for n in cfg.arms.split(',') if n.strip()}
+    return [i for i in items if not names or i.name in names or i.name == 'diffusers recipe']
 
 
-def speed_arms(device, cfg: LadderConfig, names=()) -> list:
-    """The baseline, each lever (of `names`, or all) on top of every one above it, and the two recipes:
-    the ladder's arms as they run when every lever is kept (climb() keeps only those that pay)."""
-    arms, stack = [BASELINE_ARM], list(BASELINE)
-    for lever in speed_levers(device, cfg):
-        if not names or lever.name in names:
-            stack = stack + lever.flags
-            arms.append(Arm(lever.name, lever.changes, stack))
-    return arms + [a for a in RECIPE_ARMS if not names or a.name in names]
+def recipe_variants(cfg: LadderConfig) -> list:
+    """diffusers' recipe at its own settings (batch 16, lr 1e-4) and its lr over a grid at its batch and at
+    ours: the tuning our arms had (the preset's lr and batch, and the batch lever's)."""
+    mine = ours(cfg)
+    grid = [(16, lr) for lr in ('1e-4', '3e-4', '1e-3')] + [(mine.batch_size, lr) for lr in (
+        '3e-4', '1e-3', f'{mine.lr:g}')]
+    return chosen(cfg, [Arm('diffusers recipe' if (batch, lr) == (16, '1e-4') else f'diffusers b{batch} lr {lr}',
+                            "diffusers' train_unconditional.py loop and settings (AdamW, cosine to the run's "
+                            f"planned end, EMAModel warm-up, 0 workers, our flip rule), batch {batch}, lr {lr}",
+                            ['--batch-size', str(batch), '--lr', lr], recipe=True) for batch, lr in dict.fromkeys(grid)])
 
 
-def prediction_arms(device) -> list:
+def prediction_arms() -> list:
     """The paper's objective against v-prediction, Min-SNR-5 and both, at the baseline's speed."""
-    return [Arm('baseline', "the paper's recipe (eps, L_simple)", BASELINE),
+    return [Arm('baseline', BASELINE_ARM.changes, BASELINE),
             Arm('v-prediction', 'v-prediction', BASELINE + ['--prediction', 'v']),
             Arm('Min-SNR-5', 'Min-SNR-5 weights (eps)', BASELINE + ['--loss-weight', 'min-snr']),
             Arm('v + Min-SNR-5', 'both', BASELINE + ['--prediction', 'v', '--loss-weight', 'min-snr'])]
@@ -142,15 +172,6 @@ def slug(name: str) -> str:
 
 # ----------------------------------------------------------------------------- one run
 
-def run_flags(cfg: LadderConfig, seed: int, folder: str, extra: list) -> tuple:
-    """train.py's flags of one run (the budget, the evaluations, the outputs; `extra` the arm's) and
-    the config train.py resolves them to."""
-    batch = train.check_flags(base_flags(cfg) + extra).batch_size
-    flags = base_flags(cfg) + ['--steps', str(math.ceil(cfg.images / batch)), '--seed', str(seed),
-                               '--out-dir', folder, *extra]
-    return flags, train.check_flags(flags)
-
-
 def base_flags(cfg: LadderConfig) -> list:
     return ['--dataset', cfg.dataset, '--preset', cfg.preset, '--image-size', str(cfg.image_size),
             '--device', cfg.device, '--data-dir', cfg.data_dir, '--eval-every', str(cfg.eval_every),
@@ -159,46 +180,77 @@ def base_flags(cfg: LadderConfig) -> list:
             '--log-every', '100']
 
 
-SCORE_OF = {'digits': 'digits_fd'}  # every other data set: FID
+def run_flags(cfg: LadderConfig, job, folder: str) -> tuple:
+    """train.py's flags of one run (the budget, the stop at the target, the evaluations, the outputs,
+    the arm's) and the config train.py resolves them to."""
+    batch = train.check_flags(base_flags(cfg) + job.arm.flags).batch_size
+    flags = base_flags(cfg) + ['--steps', str(math.ceil(job.images / batch)), '--seed', str(job.seed),
+                               '--out-dir', folder, '--stop-at-score', str(job.target), *job.arm.flags]
+    return flags, train.check_flags(flags)
 
 
-def train_arm(arm: Arm, seed: int, cfg: LadderConfig, folder: str) -> dict | None:
-    """One train.py run of the arm; its curve, or None when a signal stopped it."""
-    flags, run_cfg = run_flags(cfg, seed, folder, arm.flags)
+@dataclass(frozen=True)
+class Job:
+    arm: Arm
+    seed: int
+    images: int  # planned
+    target: float  # where it stops
+
+    @property
+    def name(self) -> str:
+        return f'{slug(self.arm.name)}-{self.images}-seed{self.seed}'
+
+    def identity(self) -> dict:
+        return {'arm': {'name': self.arm.name, 'flags': self.arm.flags, 'recipe': self.arm.recipe},
+                'seed': self.seed, 'images': self.images, 'stop_at': self.target}
+
+    def __hash__(self):
+        return hash(self.name)
+
+
+def train_arm(job: Job, cfg: LadderConfig, folder: str) -> dict | None:
+    """One train.py run; its curve, or None when a signal stopped it."""
+    flags, run_cfg = run_flags(cfg, job, folder)
     if train.cli(flags) != 0:
-        raise RunFailed(f'{arm.name}, seed {seed}: train.py failed (its error is above)')
+        raise RunFailed(f'{job.arm.name}, seed {job.seed}: train.py failed (its error is above)')
+    if not os.path.isfile(os.path.join(folder, 'metrics.jsonl')):
+        return None  # stopped in its start-up: nothing trained
     with open(os.path.join(folder, 'metrics.jsonl')) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    done = next((r for r in rows if r.get('kind') == 'done'), None)
-    if done is None:
+    done = [r for r in rows if r.get('kind') == 'done']
+    if not done:
         return None
+    if len(done) > 1 or rows[-1] is not done[0]:  # never report a run two processes wrote
+        raise RunFailed(f'{folder}/metrics.jsonl holds rows of more than one process: remove {folder} and rerun')
     first_step = sum(r.get('first_step_s') or 0 for r in rows if r.get('kind') == 'train')  # each process's first
-    key, evals = SCORE_OF.get(cfg.dataset, 'fid'), {}
+    key, evals = evaluation.score_key(cfg.dataset), {}
     for r in rows:
         if r.get('kind') == 'eval':
             evals[r['images_seen']] = r  # the last of each
     curve = [{'images': n, 'score': r[key], 'minutes': (60 * r['train_hours'] + first_step / 60),
               'eval_seconds': r['eval_seconds']} for n, r in sorted(evals.items())]
-    images = done['step'] * run_cfg.batch_size
-    return {'curve': curve, 'img_per_s': images / (done['train_seconds'] + first_step),
-            'first_step_s': first_step, 'train_minutes': (done['train_seconds'] + first_step) / 60,
-            'wall_minutes': done['wall_s'] / 60}
+    images = done[0]['step'] * run_cfg.batch_size
+    return {'curve': curve, 'img_per_s': images / (done[0]['train_seconds'] + first_step),
+            'first_step_s': first_step, 'train_minutes': (done[0]['train_seconds'] + first_step) / 60,
+            'wall_minutes': done[0]['wall_s'] / 60}
 
 
-def recipe_arm(arm: Arm, seed: int, cfg: LadderConfig, folder: str, stop: StopFlag) -> dict | None:
-    """diffusers' example loop (diffusers_io's recipe) on the same images as PNG files, with its EMA
-    scored every --eval-every images by the same judge as our runs, through our network."""
+def recipe_arm(job: Job, cfg: LadderConfig, stop: StopFlag) -> dict | None:
+    """diffusers' example loop (diffusers_io's recipe) on the same images as PNG files, flipped only where
+    our runs flip, with its EMA scored every --eval-every images by the same judge, through our network."""
     device = pick_device(cfg.device)
     config = get_config(cfg.preset, image_size=cfg.image_size, in_channels=data.channels_of(cfg.dataset))
-    ours = train.check_flags(base_flags(cfg))
-    batch, lr = (16, None) if arm.recipe == 'its own' else (ours.batch_size, ours.lr)  # 16: the example's default
-    pngs = write_once(os.path.join(cfg.data_dir, f'{cfg.dataset}-{cfg.image_size}-png'), 'the recipe',
-                      lambda tmp: write_image_folder(data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size), tmp))
-    loader = recipe_loader(pngs, cfg.image_size, batch, 0, config.in_channels)
-    steps = math.ceil(cfg.images / batch)
-    torch.manual_seed(seed)
-    parts, stream = recipe_parts(config, device, len(loader), 'off', total_steps=steps, lr=lr), recipe_batches(loader)
-    score, sched = judge(cfg, device), diffusion.make_schedule(1000)
+    batch, lr = recipe_settings(job.arm)
+    with stop.interruptible():
+        pngs = write_once(os.path.join(cfg.data_dir, f'{cfg.dataset}-{cfg.image_size}-png'), 'the recipe',
+                          lambda tmp: write_image_folder(data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size),
+                                                         tmp))
+        loader = recipe_loader(pngs, cfg.image_size, batch, 0, config.in_channels,
+                               flip=data.flipped_in_training(cfg.dataset))
+        steps = math.ceil(job.images / batch)
+        torch.manual_seed(job.seed)
+        parts, stream = recipe_parts(config, device, len(loader), 'off', total_steps=steps, lr=lr), recipe_batches(loader)
+        score, sched = judge(cfg, device), diffusion.make_schedule(1000)
     curve, seconds, start = [], 0.0, time.perf_counter()
     for step in range(1, steps + 1):
         recipe_step(parts, next(stream))
@@ -208,17 +260,25 @@ def recipe_arm(arm: Arm, seed: int, cfg: LadderConfig, folder: str, stop: StopFl
             seconds += time.perf_counter() - start
             evaluated = time.perf_counter()
             sampling = Sampling(num=cfg.eval_samples, batch_size=256, sampler=cfg.sampler, steps=cfg.sample_steps,
-                                seed=seed)
+                                seed=job.seed)
             images = torch.cat(list(draw(ema_as_our_unet(parts, config).to(device), config, sched, sampling,
                                          device, progress=False)))
             curve.append({'images': step * batch, 'score': score(images), 'minutes': seconds / 60,
                           'eval_seconds': time.perf_counter() - evaluated})
-            print(f'{arm.name}, seed {seed}: {step * batch:,} images, score {curve[-1]["score"]:.2f}, '
+            print(f'{job.arm.name}, seed {job.seed}: {step * batch:,} images, score {curve[-1]["score"]:.2f}, '
                   f'{seconds / 60:.2f} training minutes', flush=True)
+            if curve[-1]['score'] <= job.target:
+                return {'curve': curve, 'img_per_s': step * batch / seconds, 'first_step_s': None,
+                        'train_minutes': seconds / 60, 'wall_minutes': None}
             start = time.perf_counter()
     seconds += time.perf_counter() - start
     return {'curve': curve, 'img_per_s': steps * batch / seconds, 'first_step_s': None,
             'train_minutes': seconds / 60, 'wall_minutes': None}
+
+
+def recipe_settings(arm: Arm) -> tuple:
+    """(batch, lr) of a recipe arm, from its flags."""
+    return int(arm.flags[arm.flags.index('--batch-size') + 1]), float(arm.flags[arm.flags.index('--lr') + 1])
 
 
 def ema_as_our_unet(parts: dict, config) -> UNet:
@@ -226,9 +286,9 @@ def ema_as_our_unet(parts: dict, config) -> UNet:
     from diffusers import UNet2DModel
     theirs = UNet2DModel(**diffusers_config(config))
     parts['ema'].copy_to(theirs.parameters())
-    ours = UNet(config)
-    ours.load_state_dict(state_dict_from_diffusers(ours, theirs.state_dict()))
-    return ours.eval().requires_grad_(False)
+    ours_ = UNet(config)
+    ours_.load_state_dict(state_dict_from_diffusers(ours_, theirs.state_dict()))
+    return ours_.eval().requires_grad_(False)
 
 
 def judge(cfg: LadderConfig, device):
@@ -246,43 +306,71 @@ class RunFailed(Exception):
     exit_code = 1
 
 
-def run_folder(arm: Arm, seed: int, cfg: LadderConfig) -> str:
-    return os.path.join(cfg.runs_dir, f'{slug(arm.name)}-seed{seed}')
+class Missing(Exception):
+    """A run the ladder needs is not finished and its part is not trained by this command."""
 
 
-def read_result(arm: Arm, seed: int, cfg: LadderConfig) -> dict | None:
-    """The run's result when its folder holds it finished with these flags (its curve.json), else None."""
-    path = os.path.join(run_folder(arm, seed, cfg), 'curve.json')
+def curve_path(job: Job, cfg: LadderConfig) -> str:
+    return os.path.join(curves_dir(cfg), job.name + '.json')
+
+
+def curves_dir(cfg: LadderConfig) -> str:
+    return os.path.join(cfg.out_dir, stem_of(cfg) + '-runs')
+
+
+def read_result(job: Job, cfg: LadderConfig, identity: dict) -> dict | None:
+    """The finished run's result from its curve file; None when there is none, or it is of another arm
+    (trained again). A damaged file, or one of another ladder, is one line and exit 2: nothing is deleted."""
+    path = curve_path(job, cfg)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        saved = json.load(f)
-    return saved if saved['run'] == {'arm': asdict(arm), 'seed': seed} else None
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        run, ladder_of, curve = saved['run'], saved['ladder'], saved['curve']
+        if not (isinstance(curve, list) and curve and all({'images', 'score', 'minutes'} <= set(p) for p in curve)):
+            raise ValueError('no curve')
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ConfigError(f'{path}: damaged ({brief(error, 80)}); remove it and the run is trained again') from None
+    if ladder_of != identity:
+        raise ConfigError(f'{path} was made by another ladder ({ladder_of}; this one: {identity}): pass another '
+                          f'--out-dir or --stem') from None
+    return saved if run == job.identity() else None
 
 
-def run_job(arm: Arm, seed: int, cfg: LadderConfig, stop: StopFlag = None) -> dict | None:
-    """One run, reused when its folder holds it finished with these flags; else trained from its start."""
-    if (saved := read_result(arm, seed, cfg)) is not None:
+def run_job(job: Job, cfg: LadderConfig, identity: dict, stop: StopFlag = None) -> dict | None:
+    """One run, read back when finished; else trained from its start in RUNS_DIR/<job>/ (never in a
+    folder a live process still writes). Its curve file is written only when it has a curve."""
+    if (saved := read_result(job, cfg, identity)) is not None:
         return saved
-    folder, what = run_folder(arm, seed, cfg), {'arm': asdict(arm), 'seed': seed}
-    done_path = os.path.join(folder, 'curve.json')
+    folder = os.path.join(cfg.runs_dir, job.name)
+    if holder := folder_in_use(folder):
+        raise RunFailed(f'{folder} is still written by pid {holder.get("pid")} (a run of an earlier ladder that '
+                        f'was killed?): stop it, then rerun')
+    stop = stop or StopFlag()
+    if stop.reason:
+        return None
     shutil.rmtree(folder, ignore_errors=True)  # unfinished, or made with other flags: from its start
     os.makedirs(folder)
-    stop = stop or StopFlag()
-    restore = stop.install() if arm.recipe else (lambda: None)
+    restore = stop.install() if job.arm.recipe else (lambda: None)
     try:
-        result = recipe_arm(arm, seed, cfg, folder, stop) if arm.recipe else train_arm(arm, seed, cfg, folder)
+        result = recipe_arm(job, cfg, stop) if job.arm.recipe else train_arm(job, cfg, folder)
+    except StopRequested:
+        result = None
     finally:
         restore()
     if result is None:
         return None
-    result = {'run': what, **result}
-    with atomic_open(done_path) as f:
+    if not result['curve']:
+        raise RunFailed(f'{job.arm.name}, seed {job.seed}: the run ended before its first evaluation')
+    result = {'run': job.identity(), 'ladder': identity, **result}
+    os.makedirs(curves_dir(cfg), exist_ok=True)
+    with atomic_open(curve_path(job, cfg)) as f:
         json.dump(result, f, indent=1)
     return result
 
 
-# ----------------------------------------------------------------------------- reach and summary
+# ----------------------------------------------------------------------------- reach, gains, intervals
 
 def reach(curve: list, target: float):
     """(images, training minutes) at which the score first falls to `target`: interpolated in log
@@ -301,17 +389,88 @@ def reach(curve: list, target: float):
     return None
 
 
+def minutes_to(result: dict, target: float) -> tuple:
+    """(minutes to the target, reached): a run that never reached it counts its whole training time,
+    a lower bound of its time to it."""
+    got = reach(result['curve'], target)
+    return (got[1], True) if got else (result['train_minutes'], False)
+
+
+def t_quantile(df: float) -> float:
+    from scipy.stats import t
+    return float(t.ppf(0.975, df))
+
+
+def interval(values: list) -> dict:
+    """Mean, sd and the 95% t-interval of the mean of `values` (paired differences, or log ratios)."""
+    mean = statistics.mean(values)
+    if len(values) < 2:
+        return {'mean': mean, 'sd': None, 'low': None, 'high': None, 'n': len(values)}
+    sd = statistics.stdev(values)
+    half = t_quantile(len(values) - 1) * sd / math.sqrt(len(values))
+    return {'mean': mean, 'sd': sd, 'low': mean - half, 'high': mean + half, 'n': len(values)}
+
+
+def paired_gain(lever: Lever, got: list, below: list, target: float) -> dict:
+    """The lever's gain over the arm below, seed by seed (the same seeds): img/s gained (speed levers),
+    or minutes to the target saved (the others; a run that never reached it counts its whole training,
+    and any lever seed that did not reach it makes the lever lose). Kept: the mean gain is larger than
+    the pairs' spread (the sd of the gains)."""
+    if lever.judged_by == 'speed':
+        gains = [g['img_per_s'] - b['img_per_s'] for g, b in zip(got, below)]
+        reached = True
+    else:
+        mine, theirs = [[minutes_to(r, target) for r in runs] for runs in (got, below)]
+        gains, reached = [b[0] - g[0] for g, b in zip(mine, theirs)], all(g[1] for g in mine)
+    gain = interval(gains)
+    return {**gain, 'gains': gains, 'unit': 'img/s' if lever.judged_by == 'speed' else 'minutes',
+            'kept': reached and gain['sd'] is not None and gain['mean'] > gain['sd']}
+
+
+def paired_ratio(base: list, fast: list, target: float) -> dict | None:
+    """Minutes to the target, base over fast, seed by seed: the geometric mean ratio with its 95%
+    interval (a t-interval of the log ratios). None unless every fast seed reaches it; a bound when a
+    base seed does not (its whole training time counted)."""
+    theirs, mine = [[minutes_to(r, target) for r in runs] for runs in (base, fast)]
+    if not all(m[1] for m in mine):
+        return None
+    logs = interval([math.log(t[0] / m[0]) for t, m in zip(theirs, mine)])
+    return {'ratio': math.exp(logs['mean']), 'low': exp_or_none(logs['low']), 'high': exp_or_none(logs['high']),
+            'seeds': len(mine), 'bound': not all(t[1] for t in theirs), 'paired': True}
+
+
+def unpaired_ratio(peer: list, fast: list, target: float) -> dict | None:
+    """Minutes to the target, the peer's over ours, from independent runs: the ratio of geometric means
+    with a Welch 95% interval on the log times. A bound when a peer run never reached it."""
+    theirs, mine = [[minutes_to(r, target) for r in runs] for runs in (peer, fast)]
+    if not all(m[1] for m in mine):
+        return None
+    a, b = [math.log(t[0]) for t in theirs], [math.log(m[0]) for m in mine]
+    diff = statistics.mean(a) - statistics.mean(b)
+    low = high = None
+    if len(a) > 1 and len(b) > 1:
+        va, vb = statistics.variance(a) / len(a), statistics.variance(b) / len(b)
+        df = (va + vb) ** 2 / (va ** 2 / (len(a) - 1) + vb ** 2 / (len(b) - 1)) if va + vb > 0 else 1e9
+        half = t_quantile(df) * math.sqrt(va + vb)
+        low, high = math.exp(diff - half), math.exp(diff + half)
+    return {'ratio': math.exp(diff), 'low': low, 'high': high, 'seeds': [len(a), len(b)],
+            'bound': not all(t[1] for t in theirs), 'paired': False}
+
+
+def exp_or_none(value):
+    return None if value is None else math.exp(value)
+
+
 def mean_sd(values: list):
     return (statistics.mean(values) if values else None, statistics.stdev(values) if len(values) > 1 else None)
 
 
 def summarise(runs: dict, targets: dict) -> dict:
     """Per arm, over its seeds: minutes and images to each target (mean and sd when every seed reaches
-    it, else 'not reached' by how many), the final score, img/s; the speed-up in minutes to the
-    first target against the baseline and the recipe (a bound when the recipe never reaches it)."""
+    it, else 'not reached' by how many), the last score, img/s, training and evaluation minutes."""
     out = {}
     for name, results in runs.items():
-        arm = {'seeds': len(results), 'final': mean_sd([r['curve'][-1]['score'] for r in results]),
+        arm = {'seeds': len(results), 'last': mean_sd([r['curve'][-1]['score'] for r in results]),
                'img_per_s': mean_sd([r['img_per_s'] for r in results]),
                'train_minutes': mean_sd([r['train_minutes'] for r in results]),
                'eval_minutes': mean_sd([sum(p['eval_seconds'] for p in r['curve']) / 60 for r in results])}
@@ -322,101 +481,109 @@ def summarise(runs: dict, targets: dict) -> dict:
                         'minutes': mean_sd([x[1] for x in reached]) if whole else None,
                         'images': mean_sd([x[0] for x in reached]) if whole else None}
         out[name] = arm
-    for name, arm in out.items():
-        for peer, label in (('baseline', 'vs_baseline'), ('diffusers recipe', 'vs_recipe')):
-            theirs, ours = out.get(peer, {}).get('final_target'), arm['final_target']['minutes']
-            if theirs is None or ours is None:
-                arm[label] = None
-            elif theirs['minutes'] is not None:
-                arm[label] = {'ratio': theirs['minutes'][0] / ours[0], 'bound': False}
-            else:  # the peer never reached it: its whole training time is a lower bound of its time to it
-                arm[label] = {'ratio': out[peer]['train_minutes'][0] / ours[0], 'bound': True}
     return out
+
+
+def score_at(result: dict, images: int) -> float:
+    """The score of the first evaluation at or past `images` (the last, if the run ended before)."""
+    return next((p['score'] for p in result['curve'] if p['images'] >= images), result['curve'][-1]['score'])
+
+
+def screen_score(result: dict) -> float:
+    """A screened variant's score: the mean of its last two evaluations (one is noisier)."""
+    return statistics.mean(p['score'] for p in result['curve'][-2:])
 
 
 # ----------------------------------------------------------------------------- the ladder
 
-def plan(cfg: LadderConfig) -> list:
-    """The arms to run, each checked by train.py's own validation before any run starts."""
-    device = pick_device(cfg.device)
-    every = speed_arms(device, cfg) if cfg.ladder == 'speed' else prediction_arms(device)
-    names = [n.strip() for n in cfg.arms.split(',') if n.strip()]
-    unknown = [n for n in names if n not in {a.name for a in every}]
-    if unknown:
-        raise ConfigError(f"--arms: no arm named {', '.join(map(repr, unknown))}; the arms of --ladder {cfg.ladder} "
-                          f"are: {', '.join(a.name for a in every)}")
-    if cfg.ladder == 'speed':
-        arms = speed_arms(device, cfg, names)
-    else:
-        arms = [a for a in every if not names or a.name in names or a.name == 'baseline']
-    for arm in arms:
-        if arm.recipe:
-            if reason := diffusers_missing_reason():
-                raise ConfigError(f'--arms {arm.name}: {reason}')
-            continue
-        run_cfg = run_flags(cfg, 0, os.path.join(cfg.runs_dir, 'check'), arm.flags)[1]
-        steps = math.ceil(cfg.images / run_cfg.batch_size)
-        if steps * run_cfg.batch_size < cfg.eval_every:
-            raise ConfigError(f'--images {cfg.images}: at batch {run_cfg.batch_size} the {arm.name!r} run ends at '
-                              f'{steps * run_cfg.batch_size} images, before its first evaluation (--eval-every '
-                              f'{cfg.eval_every})')
-    return arms
+class Ladder:
+    """The runs of one ladder: trained or read back (Missing when a needed run is not finished and its
+    part is not trained now), with --workers processes when several are asked for at once."""
+
+    def __init__(self, cfg: LadderConfig, identity: dict, stop: StopFlag):
+        self.cfg, self.identity, self.stop = cfg, identity, stop
+        self.parts = {p.strip() for p in cfg.train.split(',') if p.strip()} or set(PARTS)
+        self.runs = {}  # arm name -> {Job: result}
+
+    def get(self, part: str, arm: Arm, seeds, images: int, target: float) -> list | None:
+        """The arm's results for `seeds`, in order; None when a signal stopped the ladder."""
+        jobs = [Job(arm, seed, images, target) for seed in seeds]
+        todo = [j for j in jobs if read_result(j, self.cfg, self.identity) is None]
+        if todo and part not in self.parts:
+            raise Missing(f'part {part!r}: {todo[0].arm.name}, seed {todo[0].seed} ({images:,} images) is not '
+                          f'finished; run it with --train {part}')
+        results = run_all(jobs, self.cfg, self.identity, self.stop)
+        if results is None:
+            return None
+        self.runs.setdefault(arm.name, {}).update(zip(jobs, results))
+        return results
 
 
-def decides(cfg: LadderConfig) -> dict:
-    return {k: getattr(cfg, k) for k in ('dataset', 'preset', 'image_size', 'device', 'images', 'eval_every',
-                                         'eval_samples', 'sampler', 'sample_steps')}
+def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> dict | None:
+    """The speed ladder (see the docstring at the top). Returns its record, or None when stopped."""
+    ladder, device = Ladder(cfg, identity, stop), pick_device(cfg.device)
+    seeds, lever_seeds = range(cfg.seeds), range(cfg.lever_seeds)
+    base = ladder.get('baseline', BASELINE_ARM, seeds, cfg.images, target)
+    if base is None:
+        return None
+    easy = max(score_at(r, cfg.easy_at) for r in base)
+    # The peer: the grid screened, the best variant at --seeds seeds.
+    screened = {}
+    for arm in recipe_variants(cfg):
+        got = ladder.get('peer', arm, [0], cfg.screen_images, target)
+        if got is None:
+            return None
+        screened[arm.name] = screen_score(got[0])
+    best = min(recipe_variants(cfg), key=lambda a: screened[a.name])
+    if ladder.get('peer', best, seeds, cfg.images, target) is None:
+        return None
+    # The levers, each on the levers kept so far.
+    decisions, stack, below = {}, list(BASELINE), BASELINE_ARM
+    for lever in speed_levers(device, cfg):
+        arm = Arm(lever.name, lever.changes, stack + lever.flags)
+        part, images = ('speed', cfg.speed_images) if lever.judged_by == 'speed' else ('quality', cfg.images)
+        theirs = ladder.get(part, below, lever_seeds, images, target)
+        mine = theirs and ladder.get(part, arm, lever_seeds, images, target)
+        if mine is None:
+            return None
+        decisions[arm.name] = {'builds_on': below.name, 'judged_by': lever.judged_by,
+                               **paired_gain(lever, mine, theirs, target)}
+        print(f"{arm.name}: {'kept' if decisions[arm.name]['kept'] else 'left out'} for the arms below (on top of "
+              f"{below.name})", flush=True)
+        if decisions[arm.name]['kept']:
+            stack, below = arm.flags, arm
+    # The fastest full-budget arm to --seeds seeds: the headline.
+    full = {name: [r for j, r in got.items() if j.images == cfg.images] for name, got in ladder.runs.items()
+            if name in decisions or name == 'baseline'}
+    mean_minutes = {name: statistics.mean(minutes_to(r, target)[0] for r in rs) for name, rs in full.items()
+                    if rs and all(minutes_to(r, target)[1] for r in rs)}
+    fastest = min(mean_minutes, key=mean_minutes.get) if mean_minutes else None  # None: no arm reached it
+    if fastest and ladder.get('fastest', next(iter(ladder.runs[fastest])).arm, seeds, cfg.images, target) is None:
+        return None
+    return {'ladder': ladder, 'decisions': decisions, 'screened': screened, 'best_peer': best.name,
+            'fastest': fastest, 'targets': {'target': target, 'easy_target': easy}}
 
 
-def claim_runs_dir(cfg: LadderConfig):
-    """RUNS_DIR holds this ladder's runs or nothing: another ladder's runs (other settings that decide
-    them), files that are no ladder's, or a ladder running there now are refused. Returns the
-    lock's release."""
-    manifest = os.path.join(cfg.runs_dir, 'ladder.json')
-    if os.path.isfile(manifest):
-        with open(manifest) as f:
-            saved = json.load(f)
-        if saved != decides(cfg):
-            raise ConfigError(f'--runs-dir {cfg.runs_dir} holds the runs of another ladder ({saved}): pass another '
-                              f'folder')
-    elif os.path.isdir(cfg.runs_dir) and set(os.listdir(cfg.runs_dir)) - {'lock'}:
-        raise ConfigError(f'--runs-dir {cfg.runs_dir} holds files but no ladder.json: pass a new or empty folder')
-    check_writable(cfg.runs_dir, '--runs-dir')
-    release = claim_folder(cfg.runs_dir, '--runs-dir')  # one ladder at a time: it deletes unfinished runs
-    with atomic_open(manifest) as f:
-        json.dump(decides(cfg), f)
-    return release
+def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> dict | None:
+    """The prediction ladder: every arm on the baseline, --seeds seeds each."""
+    ladder = Ladder(cfg, identity, stop)
+    for arm in prediction_arms()[:1] + chosen(cfg, prediction_arms()[1:]):
+        if ladder.get('quality' if arm.name != 'baseline' else 'baseline', arm, range(cfg.seeds), cfg.images,
+                      target) is None:
+            return None
+    base = list(ladder.runs['baseline'].values())
+    return {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None,
+            'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
 
 
-def validate(cfg: LadderConfig) -> tuple:
-    """Every check before any run: flags, each arm's train.py flags, the target against the floor,
-    the folders (checked before any is made). Returns (arms, floor or None, harder target)."""
-    check_ranges(cfg)
-    check_plain_name(cfg.stem, '--stem')
-    arms = plan(cfg)
-    folders = ((cfg.runs_dir, '--runs-dir'), (cfg.data_dir, '--data-dir'), (cfg.out_dir, '--out-dir'))
-    for folder, name in folders:
-        check_creatable(folder, name)
-    floor, target = None, cfg.target
-    if cfg.dataset == 'digits':
-        floor = evaluation.DigitsJudge(cfg.image_size, cfg.data_dir).floor['digits_fd']
-        target = 12.3 if target is None else target
-        if target <= floor:
-            raise ConfigError(f'--target {target}: below the floor of the digits score at {cfg.image_size}x'
-                              f'{cfg.image_size} ({floor:.2f}, real held-out digits): no model can reach it')
-    for folder, name in folders:  # created only now that every check has passed
-        check_writable(folder, name)
-    return arms, floor, target
-
-
-def run_all(jobs: list, cfg: LadderConfig, stop: StopFlag) -> list | None:
-    """The runs' results in order; None when a signal stopped the ladder. A failed run ends it: with
-    --workers N, each run is a process of its own, and the others are stopped (SIGTERM: their
-    train.py saves and exits) and waited for, so that nothing is left running."""
+def run_all(jobs: list, cfg: LadderConfig, identity: dict, stop: StopFlag) -> list | None:
+    """The jobs' results in order; None when a signal stopped the ladder. A failed run ends it: with
+    --workers N, each run is a process of its own (which dies with the ladder, even a killed one),
+    and the others are stopped (SIGTERM: their train.py saves and exits) and waited for."""
     if cfg.workers == 1:
         results = []
-        for arm, seed in jobs:
-            result = run_job(arm, seed, cfg, stop)
+        for job in jobs:
+            result = run_job(job, cfg, identity, stop)
             if result is None or stop.reason:
                 return None
             results.append(result)
@@ -426,18 +593,18 @@ def run_all(jobs: list, cfg: LadderConfig, stop: StopFlag) -> list | None:
     try:
         while (queue or running) and not (stop.reason or failed):
             while queue and len(running) < cfg.workers:
-                arm, seed = queue.pop(0)
-                process = context.Process(target=job_process, args=(arm, seed, cfg))
+                job = queue.pop(0)
+                process = context.Process(target=job_process, args=(job, cfg, identity, os.getpid()))
                 process.start()
-                running[process] = (arm, seed)
+                running[process] = job
             time.sleep(0.2)
             for process in [p for p in running if not p.is_alive()]:
-                arm, seed = running.pop(process)
+                job = running.pop(process)
                 if process.exitcode == STOPPED:
                     stop.reason = stop.reason or 'a stop in a worker'
                 elif process.exitcode != 0:
-                    failed = (f'{arm.name}, seed {seed}: its run failed (exit code {process.exitcode}; the error is '
-                              f'above)')
+                    failed = (f'{job.arm.name}, seed {job.seed}: its run failed (exit code {process.exitcode}; the '
+                              f'error is above)')
     finally:
         for process in running:  # their runs save and exit
             if process.is_alive():
@@ -448,116 +615,185 @@ def run_all(jobs: list, cfg: LadderConfig, stop: StopFlag) -> list | None:
                 process.kill()
     if failed:
         raise RunFailed(failed)
-    return None if stop.reason else [read_result(arm, seed, cfg) for arm, seed in jobs]  # each worker wrote its own
+    return None if stop.reason else [read_result(job, cfg, identity) for job in jobs]  # each worker wrote its own
 
 
 STOPPED = 3  # a worker's exit code when a signal stopped its run
 
 
-def job_process(arm: Arm, seed: int, cfg: LadderConfig):
-    """A worker: one run; exit 0 when finished, STOPPED when a signal cut it, 1 with its error."""
+def die_with_parent(parent: int):
+    """SIGTERM this process when its parent dies, even by kill -9 (Linux's parent-death signal), so that
+    no orphan trains on beside a rerun; where there is none, a thread watches the parent."""
     try:
-        result = run_job(arm, seed, cfg)
+        import ctypes
+        if ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM) != 0:  # PR_SET_PDEATHSIG
+            raise OSError
+    except (OSError, AttributeError):
+        import threading
+
+        def watch():
+            while os.getppid() == parent:
+                time.sleep(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent:  # it died before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def job_process(job: Job, cfg: LadderConfig, identity: dict, parent: int):
+    """A worker: one run; exit 0 when finished, STOPPED when a signal cut it, 1 with its error."""
+    stop = StopFlag()
+    stop.install()  # a signal before train.py installs its own handler is a stop too
+    die_with_parent(parent)
+    try:
+        result = None if stop.reason else run_job(job, cfg, identity, stop)
     except Exception as error:
-        print(f'error: {arm.name}, seed {seed}: {brief(error, 300)}', file=sys.stderr, flush=True)
+        print(f'error: {job.arm.name}, seed {job.seed}: {brief(error, 300)}', file=sys.stderr, flush=True)
         sys.exit(1)
-    sys.exit(0 if result is not None else STOPPED)
+    sys.exit(0 if result is not None and not stop.reason else STOPPED)
 
 
-def run_group(jobs: list, cfg: LadderConfig, stop: StopFlag) -> dict | None:
-    """{arm name: its runs' results} of (arm, seed) jobs; None when a signal stopped them."""
-    results = run_all(jobs, cfg, stop)
-    if results is None:
-        return None
-    grouped = {}
-    for (arm, _), result in zip(jobs, results):
-        grouped.setdefault(arm.name, []).append(result)
-    return grouped
+# ----------------------------------------------------------------------------- checks and main
+
+def stem_of(cfg: LadderConfig) -> str:
+    return cfg.stem or (f'{device_slug(pick_device(cfg.device))}-{cfg.dataset}-'
+                        f'{"time-to-quality" if cfg.ladder == "speed" else "prediction-study"}')
 
 
-def final_target(runs: dict) -> float:
-    """The baseline's final score, as the worst of its seeds ends: a score every baseline seed reaches."""
-    return max(r['curve'][-1]['score'] for r in runs['baseline'])
+def ladder_identity(cfg: LadderConfig) -> dict:
+    """What decides every run of the ladder: its kind, the data (their fingerprint) and the settings
+    of the runs and their scores. A finished run made under other values is never reused."""
+    images = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size)
+    return {'ladder': cfg.ladder, 'dataset': cfg.dataset, 'data': data.fingerprint(images), 'preset': cfg.preset,
+            'image_size': cfg.image_size, 'device': cfg.device, 'eval_every': cfg.eval_every,
+            'eval_samples': cfg.eval_samples, 'sampler': cfg.sampler, 'sample_steps': cfg.sample_steps}
 
 
-def pays(lever: Lever, got: list, base: list, target: float) -> bool:
-    """Whether a lever stays for the arms below: a speed lever when its runs train faster (mean img/s,
-    the compiling step counted) than those of the arm it builds on; a lever of the images needed when
-    every seed reaches the baseline's final score, in fewer mean training minutes than that arm's (or
-    that arm's seeds do not all reach it)."""
-    if lever.judged_by == 'speed':
-        return statistics.mean(r['img_per_s'] for r in got) > statistics.mean(r['img_per_s'] for r in base)
-    ours, theirs = ([reach(r['curve'], target) for r in runs] for runs in (got, base))
-    if not all(ours):
-        return False
-    return not all(theirs) or statistics.mean(x[1] for x in ours) < statistics.mean(x[1] for x in theirs)
+def check_arms(cfg: LadderConfig):
+    """Every arm's flags through train.py's own validation, and every run (recipe runs too) reaching its
+    first evaluation, before any run starts."""
+    device = pick_device(cfg.device)
+    levers = speed_levers(device, cfg) if cfg.ladder == 'speed' else []
+    budgets = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), cfg.speed_images if
+                                               lv.judged_by == 'speed' else cfg.images) for lv in levers]
+    if cfg.ladder == 'prediction':
+        budgets = [(arm, cfg.images) for arm in chosen(cfg, prediction_arms())]
+    else:
+        if reason := diffusers_missing_reason():
+            raise ConfigError(f'the diffusers recipe arms: {reason}')
+        budgets += [(arm, images) for arm in recipe_variants(cfg) for images in (cfg.screen_images, cfg.images)]
+    for arm, images in budgets:
+        batch = recipe_settings(arm)[0] if arm.recipe else train.check_flags(base_flags(cfg) + arm.flags).batch_size
+        if math.ceil(images / batch) * batch < cfg.eval_every:
+            raise ConfigError(f'at batch {batch} a {images:,}-image run of {arm.name!r} ends at '
+                              f'{math.ceil(images / batch) * batch:,} images, before its first evaluation '
+                              f'(--eval-every {cfg.eval_every}): raise its budget or lower --eval-every')
+    if not cfg.eval_every <= cfg.easy_at <= cfg.images:
+        raise ConfigError(f'--easy-at {cfg.easy_at}: between --eval-every ({cfg.eval_every}) and --images '
+                          f'({cfg.images}), so that the baseline has a score there')
 
 
-def climb(arms: list, cfg: LadderConfig, stop: StopFlag) -> tuple | None:
-    """The speed ladder: the baseline's and the recipes' seeds, then each lever on top of the levers
-    kept so far (pays() decides). Returns (the arms as they ran, their runs, {arm: the arm it builds on,
-    whether it was kept}), or None when a signal stopped it."""
-    levers = {lever.name: lever for lever in speed_levers(pick_device(cfg.device), cfg)}
-    fixed = [a for a in arms if a.name not in levers]
-    runs = run_group([(a, seed) for a in fixed for seed in range(cfg.seeds if a.name in (
-        'baseline', 'diffusers recipe') else cfg.other_seeds)], cfg, stop)
-    if runs is None:
-        return None
-    target, on, stack, ran, built = final_target(runs), 'baseline', list(BASELINE), [BASELINE_ARM], {}
-    for lever in (levers[a.name] for a in arms if a.name in levers):
-        arm = Arm(lever.name, lever.changes, stack + lever.flags)
-        got = run_group([(arm, seed) for seed in range(cfg.other_seeds)], cfg, stop)
-        if got is None:
-            return None
-        runs[arm.name], kept = got[arm.name], pays(lever, got[arm.name], runs[on], target)
-        built[arm.name] = {'builds_on': on, 'kept': kept}
-        print(f'{arm.name}: {"kept" if kept else "left out"} for the arms below (on top of {on})', flush=True)
-        ran.append(arm)
-        if kept:
-            on, stack = arm.name, arm.flags
-    return ran + [a for a in fixed if a.recipe], runs, built
+def check_names(cfg: LadderConfig):
+    every = {a.name for a in prediction_arms()} if cfg.ladder == 'prediction' else {
+        x.name for x in speed_levers(pick_device(cfg.device), dataclasses.replace(cfg, arms='')) +
+        recipe_variants(dataclasses.replace(cfg, arms=''))}
+    unknown = [n.strip() for n in cfg.arms.split(',') if n.strip() and n.strip() not in every]
+    if unknown:
+        raise ConfigError(f"--arms: no lever or variant named {', '.join(map(repr, unknown))}; those of --ladder "
+                          f"{cfg.ladder} are: {', '.join(sorted(every))}")
 
 
-def side_by_side(arms: list, cfg: LadderConfig, stop: StopFlag) -> tuple | None:
-    """The prediction ladder: every arm on the baseline, --seeds seeds each."""
-    runs = run_group([(arm, seed) for arm in arms for seed in range(cfg.seeds)], cfg, stop)
-    return None if runs is None else (arms, runs, {})
+def validate(cfg: LadderConfig) -> tuple:
+    """Every check before any run: flags, each arm, the data, the target against the floor, the folders
+    (checked before any is made). Returns (floor or None, target, the ladder's identity)."""
+    check_ranges(cfg)
+    check_plain_name(stem_of(cfg), '--stem')
+    unknown = {p.strip() for p in cfg.train.split(',') if p.strip()} - set(PARTS)
+    if unknown:
+        raise ConfigError(f"--train: no part named {', '.join(sorted(unknown))}; the parts are {', '.join(PARTS)}")
+    check_names(cfg)
+    check_arms(cfg)
+    identity = ladder_identity(cfg)  # loads the data: a missing or empty folder is refused here
+    folders = ((cfg.runs_dir, '--runs-dir'), (cfg.data_dir, '--data-dir'), (cfg.out_dir, '--out-dir'))
+    for folder, name in folders:
+        check_creatable(folder, name)
+    floor, target = None, cfg.target
+    if cfg.dataset == 'digits':
+        floor = evaluation.DigitsJudge(cfg.image_size, cfg.data_dir).floor['digits_fd']
+        target = 12.3 if target is None else target
+        if target <= floor:
+            raise ConfigError(f'--target {target}: below the floor of the digits score at {cfg.image_size}x'
+                              f'{cfg.image_size} ({floor:.2f}, real held-out digits): no model can reach it')
+    elif target is None:
+        raise ConfigError('--target: needed for FID (no default outside digits)')
+    for folder, name in folders:  # created only now that every check has passed
+        check_writable(folder, name)
+    return floor, target, identity
+
+
+def claim_runs_dir(cfg: LadderConfig, identity: dict):
+    """RUNS_DIR holds this ladder's runs or nothing: another ladder's runs (other settings or data), a
+    damaged ladder.json, files that are no ladder's, or a ladder running there now are refused, and
+    nothing is deleted. Returns the lock's release."""
+    manifest = os.path.join(cfg.runs_dir, 'ladder.json')
+    if os.path.isfile(manifest):
+        try:
+            with open(manifest) as f:
+                saved = json.load(f)
+        except (OSError, ValueError) as error:
+            raise ConfigError(f'{manifest}: damaged ({brief(error, 80)}); remove it if --runs-dir holds only this '
+                              f'ladder\'s runs, or pass another --runs-dir') from None
+        if saved != identity:
+            raise ConfigError(f'--runs-dir {cfg.runs_dir} holds the runs of another ladder ({saved}): pass another '
+                              f'folder')
+    elif os.path.isdir(cfg.runs_dir) and set(os.listdir(cfg.runs_dir)) - {'lock'}:
+        raise ConfigError(f'--runs-dir {cfg.runs_dir} holds files but no ladder.json: pass a new or empty folder')
+    release = claim_folder(cfg.runs_dir, '--runs-dir')  # one ladder at a time: it deletes unfinished runs
+    with atomic_open(manifest) as f:
+        json.dump(identity, f)
+    return release
 
 
 def ladder(cfg: LadderConfig) -> dict | None:
-    arms, floor, harder = validate(cfg)
-    release = claim_runs_dir(cfg)
+    floor, target, identity = validate(cfg)
+    release = claim_runs_dir(cfg, identity)
     stop = StopFlag()
     restore = stop.install()
     try:
-        done = (climb if cfg.ladder == 'speed' else side_by_side)(arms, cfg, stop)
-        if done is None:
-            return stopped(stop)
-        arms, runs, built = done
-        targets = {'final_target': final_target(runs), **({'harder_target': harder} if harder is not None else {})}
-        summary = summarise(runs, targets)
-        fastest = min((name for name in runs if summary[name]['final_target']['minutes']),
-                      key=lambda name: summary[name]['final_target']['minutes'][0])
-        more = run_group([(arm, seed) for arm in arms if arm.name == fastest
-                          for seed in range(len(runs[fastest]), cfg.seeds)], cfg, stop)
-        if more is None:
-            return stopped(stop)
-        runs[fastest] += more.get(fastest, [])
+        done = (climb if cfg.ladder == 'speed' else side_by_side)(cfg, target, stop, identity)
+    except Missing as missing:
+        print(f'this part is done; the ladder needs more runs before its report: {missing}', flush=True)
+        return None
     finally:
         restore()
         release()
-    summary = summarise(runs, targets)
-    result = {**provenance(device_name(pick_device(cfg.device))), 'config': asdict(cfg), 'floor': floor,
-              'targets': targets, 'fastest': fastest, 'runs': runs,
-              'arms': {a.name: {**asdict(a), **built.get(a.name, {}), **summary[a.name]} for a in arms}}
+    if done is None:
+        print(f'stopped by {stop.reason or "a signal"}: no report written (it would hold unfinished runs); the same '
+              f'command continues, reusing the finished runs', flush=True)
+        return None
+    result = record(done, cfg, floor)
     report(result, cfg)
     return result
 
 
-def stopped(stop: StopFlag):
-    print(f'stopped by {stop.reason or "a signal"}: no report written (it would hold unfinished runs); the same '
-          f'command continues, reusing the finished runs', flush=True)
-    return None
+def record(done: dict, cfg: LadderConfig, floor) -> dict:
+    """The report's record: provenance, the targets, every arm's runs and summary, the levers' paired
+    gains and the headline ratios (the fastest arm against the baseline and against the best peer)."""
+    ladder, targets, target = done['ladder'], done['targets'], done['targets']['target']
+    runs = {name: [got[j] for j in sorted(got, key=lambda j: (j.images, j.seed))] for name, got in ladder.runs.items()}
+    full = {name: [r for r in rs if r['run']['images'] == cfg.images] for name, rs in runs.items()}
+    summary = summarise({n: full[n] or rs for n, rs in runs.items()}, targets)  # speed arms: at their budget
+    headline = {}
+    if done['fastest']:
+        fast = full[done['fastest']]
+        headline = {'vs_baseline': paired_ratio(full['baseline'], fast, target),
+                    'vs_best_peer': unpaired_ratio(full[done['best_peer']], fast, target),
+                    'vs_baseline_easy': paired_ratio(full['baseline'], fast, targets['easy_target'])}
+    arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],
+                   **({'screen': done['screened'][name]} if name in done['screened'] else {})} for name in runs}
+    return {**provenance(device_name(pick_device(cfg.device))), 'config': asdict(cfg), 'floor': floor,
+            'targets': targets, 'fastest': done['fastest'], 'best_peer': done['best_peer'], 'headline': headline,
+            'levers': done['decisions'], 'arms': arms, 'runs': runs}
 
 
 # ----------------------------------------------------------------------------- the report
@@ -570,62 +806,87 @@ def report(result: dict, cfg: LadderConfig):
             f' +- {pair[1]:{spec}}' if pair[1] is not None else '')
 
     def to(arm, key, what, spec):
-        got = arm[key]
+        got = arm.get(key)
+        if got is None:
+            return '-'
         return ms(got[what], spec) if got[what] else f"not reached ({got['reached']} of {got['of']} seeds)"
 
-    def ratio(value):
-        return '-' if value is None else ('> ' if value['bound'] else '') + f"{value['ratio']:.2f}x"
-    headers = ['Arm', 'what it changes', 'on top of', 'kept below', 'seeds', 'img/s',
-               f"minutes to {targets['final_target']:.2f}",
-               f"images to {targets['final_target']:.2f}"]
-    if 'harder_target' in targets:
-        headers += [f"minutes to {targets['harder_target']:.2f}", f"images to {targets['harder_target']:.2f}"]
-    headers += ['final score', 'vs baseline (minutes)', 'vs the recipe (minutes)', 'evaluation minutes (apart)']
-    rows = []
-    for name, arm in arms.items():
-        row = [name, arm['changes'], arm.get('builds_on', '-'), {True: 'yes', False: 'no'}.get(arm.get('kept'), '-'),
-               arm['seeds'], ms(arm['img_per_s'], ',.0f'),
-               to(arm, 'final_target', 'minutes', '.2f'), to(arm, 'final_target', 'images', ',.0f')]
-        if 'harder_target' in targets:
-            row += [to(arm, 'harder_target', 'minutes', '.2f'), to(arm, 'harder_target', 'images', ',.0f')]
-        row += [ms(arm['final'], '.2f'), ratio(arm['vs_baseline']), ratio(arm['vs_recipe']),
-                ms(arm['eval_minutes'], '.2f')]
-        rows.append(row)
+    def ci(value, spec):
+        return '-' if value is None else f"{value['mean']:{spec}} [{fmt(value['low'], spec)}, {fmt(value['high'], spec)}]"
+    hard, easy = f"{targets['target']:.2f}", f"{targets['easy_target']:.2f}"
+    headers = ['Arm', 'what it changes', 'seeds', 'img/s', f'minutes to {hard}', f'images to {hard}',
+               f'minutes to {easy}', 'last score', 'evaluation minutes (apart)', 'screen score']
+    rows = [[name, arm['changes'], arm.get('seeds', '-'), ms(arm.get('img_per_s'), ',.0f'),
+             to(arm, 'target', 'minutes', '.2f'), to(arm, 'target', 'images', ',.0f'),
+             to(arm, 'easy_target', 'minutes', '.2f'), ms(arm.get('last'), '.2f'), ms(arm.get('eval_minutes'), '.2f'),
+             fmt(arm.get('screen'), '.2f')] for name, arm in arms.items()]
+    lever_rows = [[name, d['builds_on'], d['judged_by'], d['n'], f"{ci(d, '.3g')} {d['unit']}", fmt(d['sd'], '.3g'),
+                   'kept' if d['kept'] else 'left out'] for name, d in result['levers'].items()]
+    body = markdown_table(headers, rows, left=2)
+    if lever_rows:
+        body += ('\n\n### Levers: paired gains (the same seeds as the arm below)\n\n' + markdown_table(
+            ['Lever', 'on top of', 'judged by', 'pairs', 'mean gain [95% interval]', 'spread (sd)', 'decision'],
+            lever_rows, left=3))
+    if result['headline']:
+        body += '\n\n### Headline: minutes to the target, ratio [95% interval]\n\n' + '\n'.join(
+            f"- {label}: {ratio_text(result['headline'][key])}" for key, label in (
+                ('vs_baseline', f"{result['fastest']} against the baseline, to {hard} (paired by seed)"),
+                ('vs_best_peer', f"{result['fastest']} against the best diffusers variant ({result['best_peer']}), "
+                                 f"to {hard} (independent runs, Welch)"),
+                ('vs_baseline_easy', f"{result['fastest']} against the baseline, to {easy} (paired by seed)")))
     score = 'digits FD (classifier features)' if cfg.dataset == 'digits' else 'FID'
-    notes = (f"; {cfg.preset} preset, {cfg.dataset} {cfg.image_size}x{cfg.image_size}, {cfg.images:,} training images "
-             f"per run, {score} of {cfg.eval_samples} EMA samples ({cfg.sampler}, {cfg.sample_steps} calls) every "
+    notes = (f"; {cfg.preset} preset, {cfg.dataset} {cfg.image_size}x{cfg.image_size}; {score} of {cfg.eval_samples} "
+             f"EMA samples ({cfg.sampler}, {cfg.sample_steps} calls, the same noise at every evaluation) every "
              f"{cfg.eval_every:,} images" + (f"; floor {result['floor']:.2f}" if result['floor'] else '') +
-             f". Targets: the baseline's final score (the worst of its seeds) and "
-             f"{targets.get('harder_target', 'none')}. Mean +- sd over seeds; a lever stays for the arms below "
-             f"('kept below') when it trains faster (img/s; levers of speed) or reaches the first target in fewer "
-             f"minutes (levers of the images needed) than the arm it is on top of; training minutes count the first "
-             f"(compiling) step, not the evaluations; a target not reached by every seed is 'not reached', never "
-             f"extrapolated; '>' marks a ratio to a peer that never "
-             f"reached it (its whole training time)")
-    png = write_report(cfg.out_dir, cfg.stem, result, 'Time to quality: training minutes to a score, per lever',
-                       markdown_table(headers, rows, left=4), notes=notes)
+             f". Runs plan {cfg.images:,} images (the recipe's cosine decays to there) and end at their first score "
+             f"at or below {hard}; speed levers run {cfg.speed_images:,} images, the diffusers grid's screen "
+             f"{cfg.screen_images:,} (one seed, scored by its last two evaluations' mean). Targets: {hard}, and "
+             f"{easy}, the baseline's worst seed's score at {cfg.easy_at:,} images. Mean +- sd over seeds; a lever "
+             f"is kept when its mean paired gain exceeds the sd of its paired gains; training minutes count the "
+             f"first (compiling) step, not the evaluations; a target not reached by every seed is 'not reached', "
+             f"never extrapolated; '>' marks a ratio to runs that did not all reach it (their whole training time)")
+    png = write_report(cfg.out_dir, stem_of(cfg), result, 'Time to quality: training minutes to a score, per lever',
+                       body, notes=notes)
+    plot(result, cfg, png, score)
+    print(body)
+
+
+def fmt(value, spec: str) -> str:
+    return '-' if value is None else format(value, spec)
+
+
+def ratio_text(value) -> str:
+    if value is None:
+        return 'the fast arm did not reach it on every seed'
+    bound = '> ' if value['bound'] else ''
+    return (f"{bound}{value['ratio']:.2f}x [{bound}{fmt(value['low'], '.2f')}, {fmt(value['high'], '.2f')}] "
+            f"({value['seeds']} seeds)")
+
+
+def plot(result: dict, cfg: LadderConfig, png: str, score: str):
     fig, ax = pyplot().subplots(figsize=(9, 5.5))
-    for name, colour in zip(arms, pyplot().cm.tab10.colors * 2):
-        curves = result['runs'][name]
+    for name, colour in zip(result['arms'], pyplot().cm.tab10.colors * 3):
+        curves = [r for r in result['runs'][name] if r['run']['images'] == cfg.images]
+        if not curves:
+            continue
         points = min(len(c['curve']) for c in curves)
         minutes = [statistics.mean(c['curve'][i]['minutes'] for c in curves) for i in range(points)]
         scores = [[c['curve'][i]['score'] for c in curves] for i in range(points)]
         ax.plot(minutes, [statistics.mean(s) for s in scores], marker='o', color=colour, markersize=3,
                 label=f'{name} ({len(curves)} seed{"s" if len(curves) > 1 else ""})',
-                linestyle='--' if arms[name]['recipe'] else '-')
+                linestyle='--' if result['arms'][name]['recipe'] else '-')
         if len(curves) > 1:
             ax.fill_between(minutes, [min(s) for s in scores], [max(s) for s in scores], color=colour, alpha=0.12)
-    for key, style in (('final_target', ':'), ('harder_target', '-.')):
-        if key in targets:
-            ax.axhline(targets[key], color='gray', linestyle=style, label=f"target {targets[key]:.2f}")
+    for key, style in (('easy_target', ':'), ('target', '-.')):
+        ax.axhline(result['targets'][key], color='gray', linestyle=style, label=f"target {result['targets'][key]:.2f}")
     if result['floor']:
         ax.axhline(result['floor'], color='black', linewidth=0.8, label=f"floor {result['floor']:.2f}")
-    ax.set(xlabel='training minutes (evaluations left out)', ylabel=score, yscale='log')
+    ax.set(xlabel='training minutes (evaluations left out; curves up to the seeds\' shortest)', ylabel=score,
+           yscale='log')
     ax.grid(alpha=0.3, which='both')
     ax.legend(fontsize=7)
     ax.set_title(f"{result['device']}, torch {result['torch']}, {result['date'][:10]}", fontsize=8)
     save_figure(fig, png, dpi=110)
-    print(markdown_table(headers, rows, left=4))
 
 
 def main(argv=None) -> int:
