@@ -29,9 +29,15 @@ RESUME_REQUIRED = ('optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rn
 NOT_REPLAYED = ('resume', 'out_dir')
 RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout',
                      'prediction')
-CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp', 'loss_weight', 'snr_gamma')
+CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp', 'loss_weight', 'snr_gamma',
+                        'channels_last',  # the layout: another order of the noise's draws and of the sums
+                        't_sampling', 't_mean', 't_scale', 't_reweight', 'input_perturbation', 'lr_decay',
+                        'adam_beta2', 'ema_length')
 # What a checkpoint written before a setting existed trained with.
-SETTINGS_BEFORE_THEY_EXISTED = {'prediction': 'eps', 'loss_weight': 'uniform', 'snr_gamma': None}
+SETTINGS_BEFORE_THEY_EXISTED = {'prediction': 'eps', 'loss_weight': 'uniform', 'snr_gamma': None,
+                                't_sampling': 'uniform', 't_mean': None, 't_scale': None, 't_reweight': False,
+                                'input_perturbation': 0.0, 'lr_decay': 'none', 'adam_beta2': 0.999,
+                                'ema_length': 0.0}
 RESOLVED_PER_DEVICE = ('amp', 'compile', 'channels_last', 'fused_adam', 'loader')
 
 
@@ -90,6 +96,12 @@ def warn_of_changes(ckpt: dict, cfg):
         if theirs != getattr(cfg, name):
             print(f"warning: --{name.replace('_', '-')} {getattr(cfg, name)} (the checkpoint's: {theirs}): the resumed "
                   f"run trains on with it, and will differ from an uninterrupted one", file=sys.stderr)
+    length = ('steps', 'epochs')  # --lr-decay ends at the planned last step: another length, another schedule
+    planned = tuple(ckpt['config'].get(k) for k in length)
+    if cfg.lr_decay != 'none' and planned != tuple(getattr(cfg, k) for k in length):
+        print(f"warning: --lr-decay {cfg.lr_decay} now decays to --steps {cfg.steps} / --epochs {cfg.epochs} (the "
+              f"checkpoint's run planned {ckpt['config'].get('steps')} / {ckpt['config'].get('epochs')}): the resumed "
+              f"run will differ from an uninterrupted one", file=sys.stderr)
 
 
 def already_done(ckpt: dict, cfg) -> dict | None:

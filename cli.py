@@ -193,9 +193,20 @@ class StopFlag:
             raise StopRequested(self.reason)
 
     def install(self):
-        """Handles SIGTERM and SIGINT; returns the function that puts the old handlers back."""
+        """Handles SIGTERM and SIGINT; returns the function that puts the old handlers back. Nested in
+        another StopFlag (a script that runs train.py in its process), no stop is lost: one the outer
+        flag already holds is this one's from the start, and one this flag takes is the outer's too."""
         previous = {s: signal.signal(s, self) for s in (signal.SIGTERM, signal.SIGINT)}
-        return lambda: [signal.signal(s, h) for s, h in previous.items()]
+        outer = [h for h in previous.values() if isinstance(h, StopFlag)]
+        if outer and outer[0].reason:
+            self.reason = outer[0].reason
+
+        def restore():
+            for s, h in previous.items():
+                signal.signal(s, h)
+            if outer and self.reason and not outer[0].reason:
+                outer[0].reason = self.reason
+        return restore
 
     @contextlib.contextmanager
     def interruptible(self):

@@ -144,23 +144,65 @@ def loss_weight_table(sched: Schedule, loss_weight: str = 'uniform', snr_gamma: 
     raise ValueError(f'prediction must be one of {PREDICTIONS}, got {prediction!r}')
 
 
+T_SAMPLINGS = ('uniform', 'lognormal', 'laplace')
+T_SAMPLING_DEFAULTS = {'lognormal': (-1.2, 1.2), 'laplace': (0.0, 0.5)}  # (mean, scale) of their papers
+
+
+def timestep_probabilities(sched: Schedule, kind: str = 'uniform', mean: float = None,
+                           scale: float = None) -> torch.Tensor:
+    """p(t) of the training timesteps, a (T,) float64 table. 'uniform': 1/T (Algorithm 1).
+    'lognormal' (Karras et al. 2022, EDM's P_mean -1.2, P_std 1.2): ln sigma ~ N(mean, scale^2), with
+    sigma_t = sqrt((1 - abar_t) / abar_t). 'laplace' (Hang et al. 2024, mean 0, scale 0.5): the log-SNR
+    lambda_t = -2 ln sigma_t ~ Laplace(mean, scale). Timestep t takes the continuous law's mass between
+    the midpoints of its neighbours' ln sigma (the T steps partition the line)."""
+    T = sched.num_steps
+    if kind == 'uniform':
+        return torch.full((T,), 1.0 / T, dtype=torch.float64, device=sched.alphas_cumprod.device)
+    if kind not in T_SAMPLING_DEFAULTS:
+        raise ValueError(f't sampling must be one of {T_SAMPLINGS}, got {kind!r}')
+    default_mean, default_scale = T_SAMPLING_DEFAULTS[kind]
+    mean, scale = default_mean if mean is None else mean, default_scale if scale is None else scale
+    if not scale > 0:
+        raise ValueError(f'the scale of the {kind} timestep law must be positive, got {scale}')
+    ln_sigma = 0.5 * (torch.log1p(-sched.alphas_cumprod) - torch.log(sched.alphas_cumprod))  # increasing in t
+    edges = torch.cat([ln_sigma.new_tensor([-math.inf]), (ln_sigma[1:] + ln_sigma[:-1]) / 2,
+                       ln_sigma.new_tensor([math.inf])])
+    if kind == 'lognormal':
+        cdf = 0.5 * (1 + torch.special.erf((edges - mean) / (scale * math.sqrt(2))))
+    else:  # ln sigma = -lambda / 2 ~ Laplace(-mean / 2, scale / 2)
+        z = (edges + mean / 2) / (scale / 2)
+        cdf = torch.where(z < 0, 0.5 * torch.exp(z.clamp(max=0)), 1 - 0.5 * torch.exp(-z.clamp(min=0)))
+    mass = (cdf[1:] - cdf[:-1]).clamp(min=0)
+    return mass / mass.sum()
+
+
 def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, per_example=False,
-                  prediction: str = 'eps', loss_weight: str = 'uniform', snr_gamma: float = 5.0) -> torch.Tensor:
+                  prediction: str = 'eps', loss_weight: str = 'uniform', snr_gamma: float = 5.0,
+                  t_probs: torch.Tensor = None, t_reweight: bool = False,
+                  input_perturbation: float = 0.0) -> torch.Tensor:
     """L_simple (eq. 14, Algorithm 1): MSE between the model's output and its target (the noise, or
     v with prediction='v'), with t uniform on {0, ..., T-1} and eps ~ N(0, I) unless given; with
     loss_weight='min-snr' each image's MSE is weighted by loss_weight_table at its t, a table
     gathered on the device (no host sync, nothing that depends on t traced as a constant).
-    A scalar, or (B,) per image."""
+    t_probs: t drawn from this (T,) table instead (timestep_probabilities), weighted by
+    (1/T) / p(t) with t_reweight, so that the objective stays L_simple's. input_perturbation gamma
+    (Ning et al. 2023, DDPM-IP): the network sees x_t made with eps + gamma xi, xi ~ N(0, I), and
+    still learns the target of eps alone. A scalar, or (B,) per image."""
     if t is None:
-        t = torch.randint(0, sched.num_steps, (x0.shape[0],), device=x0.device)
+        t = (torch.randint(0, sched.num_steps, (x0.shape[0],), device=x0.device) if t_probs is None
+             else torch.multinomial(t_probs.float(), x0.shape[0], replacement=True))
     if noise is None:
         noise = torch.randn_like(x0)
     target = prediction_target(sched, x0, t, noise, prediction)
-    squared_error = (model(q_sample(sched, x0, t, noise), t).float() - target).square()
-    if loss_weight == 'uniform':  # L_simple exactly as the paper computes it
+    seen = noise + input_perturbation * torch.randn_like(x0) if input_perturbation else noise
+    squared_error = (model(q_sample(sched, x0, t, seen), t).float() - target).square()
+    if loss_weight == 'uniform' and not t_reweight:  # L_simple exactly as the paper computes it
         return squared_error.flatten(1).mean(1) if per_example else squared_error.mean()
     per_image = squared_error.flatten(1).mean(1)
-    per_image = per_image * _gather(loss_weight_table(sched, loss_weight, snr_gamma, prediction), t, per_image)
+    weights = loss_weight_table(sched, loss_weight, snr_gamma, prediction)
+    if t_reweight and t_probs is not None:
+        weights = weights / (sched.num_steps * t_probs)
+    per_image = per_image * _gather(weights, t, per_image)
     return per_image if per_example else per_image.mean()
 
 

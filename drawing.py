@@ -1,5 +1,6 @@
 """Drawing N images from a model in seeded batches: batch i's noise comes from (seed, i) alone, so
-the same images come out for any split across ranks or a continued run; a non-finite batch is refused."""
+the same images come out for any split across ranks or a continued run; a non-finite batch is refused.
+And grids of them as one PNG (train.py's per-epoch grid, sample.py --grid)."""
 import math
 import typing
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from tqdm import tqdm
 
 import diffusion
 from devices import autocast
+from files import atomic_open
 from model import UNetConfig
 
 
@@ -78,3 +80,30 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: Sampling, device, start: i
 def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """[-1, 1] floats to uint8 (B, C, H, W), rounding to the nearest of 256 levels."""
     return ((x.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- grids
+
+GRID_LIMIT = 4096  # images in one grid PNG (it is held in memory)
+
+
+def write_grid_png(images: torch.Tensor, path: str):
+    """uint8 (B, C, H, W) images as one square-ish grid PNG: RGB, or grey ('L') for one channel."""
+    from PIL import Image
+    from torchvision.utils import make_grid
+    grid = make_grid(images, nrow=max(1, int(math.sqrt(len(images)))))  # (3, H', W'): one channel repeated
+    pixels = grid[:images.shape[1]].permute(1, 2, 0).numpy()
+    with atomic_open(path, 'wb') as f:
+        Image.fromarray(pixels[:, :, 0] if images.shape[1] == 1 else pixels).save(f, format='png')
+
+
+@torch.no_grad()
+def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
+    """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
+    time (seed cfg.seed), in cfg.amp, as one PNG."""
+    shape = (cfg.num_samples, model.config.in_channels, cfg.image_size, cfg.image_size)
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    with autocast(cfg.amp, device):
+        images = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.sample_steps, generator, device,
+                                       prediction=cfg.prediction)
+    write_grid_png(to_uint8(images), path)

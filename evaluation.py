@@ -353,6 +353,16 @@ def evaluation_seed(seed: int, step: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, step, rank, 1]).generate_state(1)[0])
 
 
+def sampling_seed(seed: int, images_seen: int, eval_every: int, noise: str) -> int:
+    """The seed of an evaluation's samples: the run's seed at every evaluation ('fixed': a curve shows the
+    model's change alone, but one draw's luck stays with the run), or a fresh one per evaluation, a
+    function of the run's seed and the evaluation's index in images ('fresh': runs that share a seed
+    and a batch size draw the same noise at the same image count)."""
+    if noise == 'fixed':
+        return seed
+    return int(np.random.SeedSequence([seed, images_seen // eval_every, 2]).generate_state(1)[0])
+
+
 def score_key(dataset: str) -> str:
     """The evaluation row's key of a data set's score: the digits FD for digits, FID for the rest."""
     return 'digits_fd' if dataset == 'digits' else 'fid'
@@ -416,6 +426,7 @@ class Evaluator:
                               cfg.eval_bpd_timesteps, amp='off', progress=False, prediction=cfg.prediction)
         features = None  # Inception features, or for digits the samples themselves (rank 0 judges them)
         if self.extractor is not None or cfg.dataset == 'digits' and cfg.eval_fid:
+            self.sampling.seed = sampling_seed(cfg.seed, step * cfg.batch_size, cfg.eval_every, cfg.eval_noise)
             samples = draw(ema, run.model.config, run.sched, self.sampling, run.device, progress=False,
                            rank=run.rank, world_size=run.world_size, prediction=cfg.prediction)
             features = features_of(samples, self.extractor).astype('float32') if self.extractor else torch.cat(

@@ -30,9 +30,9 @@ import data
 import diffusion
 from checkpoint import model_from_checkpoint, read_checkpoint, require_finite
 from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
-from devices import autocast, pick_device
+from devices import pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
-from drawing import draw, to_uint8
+from drawing import GRID_LIMIT, draw, write_grid_png
 from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, digits_summary, features_of,
                         frechet_distance, inception_extractor, reference_statistics, statistics)
 from files import atomic_open, atomic_path, check_writable, claim_folder
@@ -112,7 +112,6 @@ def load_model(path: str, weights: str, device) -> tuple:
 # ----------------------------------------------------------------------------- writing samples
 
 MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
-GRID_LIMIT = 4096  # images in one --grid PNG (it is held in memory)
 SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'clip', 'batch_size', 'format',
             'grid', 'seed', 'amp')
 
@@ -271,28 +270,6 @@ def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Sa
                 ) if cfg.format == 'npz' else os.path.join(cfg.out, f'{0:06d}.png ... {cfg.num - 1:06d}.png')
     return {'images': drawn, 'seconds': seconds, 'complete': complete, 'stopped': None if complete else stop.reason,
             'path': path}
-
-
-def write_grid_png(images: torch.Tensor, path: str):
-    """uint8 (B, C, H, W) images as one square-ish grid PNG: RGB, or grey ('L') for one channel."""
-    from PIL import Image
-    from torchvision.utils import make_grid
-    grid = make_grid(images, nrow=max(1, int(math.sqrt(len(images)))))  # (3, H', W'): one channel repeated
-    pixels = grid[:images.shape[1]].permute(1, 2, 0).numpy()
-    with atomic_open(path, 'wb') as f:
-        Image.fromarray(pixels[:, :, 0] if images.shape[1] == 1 else pixels).save(f, format='png')
-
-
-@torch.no_grad()
-def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
-    """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
-    time (seed cfg.seed), in cfg.amp, as one PNG."""
-    shape = (cfg.num_samples, model.config.in_channels, cfg.image_size, cfg.image_size)
-    generator = torch.Generator(device).manual_seed(cfg.seed)
-    with autocast(cfg.amp, device):
-        images = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.sample_steps, generator, device,
-                                       prediction=cfg.prediction)
-    write_grid_png(to_uint8(images), path)
 
 
 # ----------------------------------------------------------------------------- main

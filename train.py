@@ -28,7 +28,6 @@ import data
 import diffusion
 import evaluation
 import metrics
-import sample
 from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, resume_settings,
                         save_checkpoint, warn_of_changes)
 from cli import (ConfigError, StopFlag, StopRequested, brief, changed_fields, check_ranges, flag, given_fields,
@@ -36,6 +35,7 @@ from cli import (ConfigError, StopFlag, StopRequested, brief, changed_fields, ch
 from devices import autocast, cpu_has_native_bf16, own_rng, pick_device
 from distributed import (agreed_stop, any_rank, gather_to_rank0, init_process_group, on_all_ranks, ranks_identical,
                          setup_distributed)
+from drawing import GRID_LIMIT, write_grid
 from files import check_writable, claim_folder
 from model import MODEL_VERSION, PRESETS, UNet, get_config
 
@@ -71,6 +71,23 @@ class TrainConfig:
                                        '(Hang et al. 2023: min(SNR, gamma) on the x0 error)',
                             choices=diffusion.LOSS_WEIGHTS)
     snr_gamma: float | None = flag(None, 'gamma of --loss-weight min-snr (default 5)', positive=True)
+    t_sampling: str = flag('uniform', 'how training timesteps are drawn: uniform (the paper\'s), lognormal (Karras et '
+                                      'al. 2022: ln sigma ~ N(-1.2, 1.2^2)) or laplace (Hang et al. 2024: log-SNR ~ '
+                                      'Laplace(0, 0.5))', choices=diffusion.T_SAMPLINGS)
+    t_mean: float | None = flag(None, 'the mean of --t-sampling\'s law (lognormal: of ln sigma; laplace: of the '
+                                      'log-SNR)')
+    t_scale: float | None = flag(None, 'its scale (lognormal: the sd of ln sigma; laplace: b)', positive=True)
+    t_reweight: bool = flag(False, 'weight each timestep\'s loss by (1/T) / p(t), so that --t-sampling keeps '
+                                   'L_simple\'s objective and changes only its variance')
+    input_perturbation: float = flag(0.0, 'DDPM-IP (Ning et al. 2023): the network sees x_t made with eps + gamma xi '
+                                          'and learns eps alone; gamma (paper: 0.1; 0: off)', at_least=0, at_most=1)
+    lr_decay: str = flag('none', 'after the warm-up: none (constant, the paper\'s), or cosine or linear decay to 0 at '
+                                 'the run\'s planned last step (--steps or --epochs)',
+                         choices=('none', 'cosine', 'linear'))
+    adam_beta2: float = flag(0.999, 'Adam\'s beta2 (paper: 0.999; 0.99 averages the gradient\'s scale over ~100 '
+                                    'steps)', at_least=0, below=1)
+    ema_length: float = flag(0.0, 'the EMA\'s half-life as a share of the images seen (Karras et al. 2022: 0.05), '
+                                  'capped by --ema-decay; 0: the paper\'s ramp (1+step)/(10+step)', at_least=0, below=1)
     attention: str = flag('sdpa', 'attention: F.scaled_dot_product_attention, or matmul-softmax-matmul',
                           choices=('sdpa', 'manual'))
     compile: bool | None = flag(None, 'torch.compile the whole training loss as one graph: timesteps, noise, '
@@ -92,7 +109,7 @@ class TrainConfig:
                         choices=('ddim', 'dpm++', 'ddpm'))
     sample_steps: int = flag(50, 'model calls per image of ddim and dpm++ (ddpm always takes all T)',
                              at_least=1, at_most=NUM_TIMESTEPS)
-    num_samples: int = flag(64, 'images per sample grid', at_least=1, at_most=sample.GRID_LIMIT)
+    num_samples: int = flag(64, 'images per sample grid', at_least=1, at_most=GRID_LIMIT)
     eval_every: int = flag(0, 'training images between evaluations (0: none): FID of EMA samples and bits/dim of '
                               'the EMA on held-out images, as metrics.jsonl rows, and OUT_DIR/curves.png', at_least=0)
     eval_fid: bool = flag(True, 'FID in the evaluations (Inception weights: downloaded on first use, or '
@@ -100,6 +117,9 @@ class TrainConfig:
     eval_samples: int | None = flag(None, 'EMA samples per FID, drawn with --sampler and --sample-steps (default '
                                           '10000; papers report 50,000; fewer samples read higher); digits: 450, '
                                           'the size of the held-out split that sets the score\'s floor', at_least=2)
+    eval_noise: str = flag('fixed', 'the noise of the evaluations\' samples: fixed (the run\'s seed at every '
+                                    'evaluation) or fresh (a new draw per evaluation, so that no draw\'s luck stays '
+                                    'with a run; docs/benchmark.md measures why)', choices=('fixed', 'fresh'))
     stop_at_score: float | None = flag(None, 'end the run (checkpoint, exit 0) at the first evaluation whose score '
                                              '(FID; digits: the digits FD) is at or below this: training to a '
                                              'target, as scripts/time_to_quality.py does', positive=True)
@@ -135,14 +155,23 @@ PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
 
 # ----------------------------------------------------------------------------- schedules
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up to cfg.lr over cfg.warmup steps, then constant (the paper's schedule)."""
-    return cfg.lr * min(1.0, (step + 1) / cfg.warmup) if cfg.warmup > 0 else cfg.lr
+def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
+    """Linear warm-up to cfg.lr over cfg.warmup steps, then constant (the paper's schedule), or with
+    --lr-decay a cosine or linear decay to 0 at the planned last step, total_steps."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    if cfg.lr_decay == 'none':
+        return cfg.lr
+    done = min(1.0, (step - cfg.warmup + 1) / max(1, total_steps - cfg.warmup))  # 1 at the last step
+    return cfg.lr * (0.5 * (1 + math.cos(math.pi * done)) if cfg.lr_decay == 'cosine' else 1 - done)
 
 
 def ema_decay_at(step: int, cfg: TrainConfig) -> float:
     """The EMA decay ramps up from 0.1 so that short runs have a useful EMA; it reaches the
-    paper's 0.9999 after ~90k steps."""
+    paper's 0.9999 after ~90k steps. With --ema-length r (Karras et al. 2022) its half-life is
+    r times the images seen: decay 0.5^(batch / (r * images)) = 0.5^(1 / (r (step + 1)))."""
+    if cfg.ema_length:
+        return min(cfg.ema_decay, 0.5 ** (1 / (cfg.ema_length * (step + 1))))
     return min(cfg.ema_decay, (1 + step) / (10 + step))
 
 
@@ -178,6 +207,10 @@ class Run:
     control_group: typing.Any = None
     flags: dict = dataclasses.field(default_factory=dict)  # the settings given, replayed by --resume
 
+    @property
+    def total_steps(self) -> int:  # the run's planned length
+        return self.cfg.steps or self.cfg.epochs * self.loader.batches_per_epoch
+
 
 def model_config_of(cfg: TrainConfig):
     return get_config(cfg.preset, image_size=cfg.image_size, dropout=cfg.dropout, attention=cfg.attention,
@@ -204,7 +237,8 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     if cfg.channels_last:
         model = model.to(memory_format=torch.channels_last)
     ema = copy.deepcopy(model).eval().requires_grad_(False) if rank == 0 else None
-    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
+    optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.adam_beta2),
+                                 fused=cfg.fused_adam or None)
     scaler = torch.amp.GradScaler(device.type, enabled=cfg.amp == 'fp16')
     torch.manual_seed(cfg.seed + rank)  # each rank its own timesteps, noise and dropout
     net = model
@@ -242,6 +276,8 @@ def restore(run: Run, ckpt: dict) -> int:
         if run.ema is not None:
             run.ema.load_state_dict(ckpt['ema'])
         run.optimizer.load_state_dict(ckpt['optimizer'])
+        for group in run.optimizer.param_groups:  # the run's --adam-beta2, not the one the state saved
+            group['betas'] = (0.9, run.cfg.adam_beta2)
         run.scaler.load_state_dict(ckpt['scaler'])
     except (KeyError, ValueError, RuntimeError, TypeError) as error:
         raise ConfigError(f'--resume {run.cfg.resume}: its states do not fit this run ({brief(error)})') from None
@@ -261,12 +297,16 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
     max-autotune) cover all of it and the elementwise work fuses into the network's kernels.
     The learning rate and the EMA decay stay outside the graph: their schedules cannot cause
     recompiles. compile_options go to torch.compile (the tests and the benchmark pick backends)."""
+    t_probs = None if cfg.t_sampling == 'uniform' else diffusion.timestep_probabilities(
+        sched, cfg.t_sampling, cfg.t_mean, cfg.t_scale).to(device)
+
     def loss_of(x0):
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         with autocast(cfg.amp, device):
             return diffusion.training_loss(net, sched, x0, prediction=cfg.prediction, loss_weight=cfg.loss_weight,
-                                           snr_gamma=cfg.snr_gamma or 5.0)
+                                           snr_gamma=cfg.snr_gamma or 5.0, t_probs=t_probs,
+                                           t_reweight=cfg.t_reweight, input_perturbation=cfg.input_perturbation)
     if not cfg.compile:
         return loss_of
     mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
@@ -277,7 +317,7 @@ def train_step(run: Run, x0: torch.Tensor, step: int) -> torch.Tensor:
     """One optimizer step on a batch; returns the loss without synchronising with the host."""
     cfg = run.cfg
     for group in run.optimizer.param_groups:
-        group['lr'] = lr_at(step, cfg)  # a float argument of fused Adam's kernel: no sync, no graph
+        group['lr'] = lr_at(step, cfg, run.total_steps)  # a float argument of fused Adam's kernel: no sync
     loss = run.compute_loss(x0)
     run.scaler.scale(loss).backward()
     if cfg.grad_clip > 0:
@@ -329,8 +369,9 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
             stopped = agreed_stop(run.stop, run.control_group, ask=step % 10 == 0 or at_end)
             eval_owed = eval_owed or (evaluator is not None and evaluator.due(step))
             must_save = (cfg.ckpt_every and step % cfg.ckpt_every == 0) or at_end or stopped
-            # Log: the interval's mean loss (its one host sync; never past a non-finite loss).
-            if step % cfg.log_every == 0 or at_end or (must_save and unlogged):
+            # Log: the interval's mean loss (its one host sync; never past a non-finite loss). With
+            # --stop-at-score also before each evaluation, which may end the run.
+            if step % cfg.log_every == 0 or at_end or (must_save and unlogged) or (eval_owed and cfg.stop_at_score):
                 mean_loss = interval_loss(run, loss_sum, unlogged, step, last_good)
                 row = log_interval(run, log, heldout, step, unlogged, mean_loss, with_heldout=not stopped)
                 loss_sum.zero_()
@@ -456,6 +497,9 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     check_ranges(cfg)
     if cfg.snr_gamma is not None and cfg.loss_weight != 'min-snr':
         raise ConfigError(f'--snr-gamma {cfg.snr_gamma} weights nothing without --loss-weight min-snr')
+    for name, value in (('--t-mean', cfg.t_mean), ('--t-scale', cfg.t_scale), ('--t-reweight', cfg.t_reweight or None)):
+        if value is not None and cfg.t_sampling == 'uniform':
+            raise ConfigError(f'{name} shapes nothing without --t-sampling lognormal or laplace')
     if cfg.stop_at_score and not (cfg.eval_every and (cfg.eval_fid or cfg.dataset == 'digits')):
         raise ConfigError(f'--stop-at-score {cfg.stop_at_score} needs evaluations with a score: --eval-every N'
                           + (' and --eval-fid' if cfg.dataset != 'digits' else ''))
@@ -521,13 +565,14 @@ def interval_loss(run: Run, loss_sum: torch.Tensor, steps: int, step: int, last_
 def log_interval(run: Run, log, heldout, step: int, steps: int, mean_loss: float, with_heldout: bool):
     """A metrics.jsonl row: loss, speed and (unless a stop is under way) the held-out losses of
     the model and the EMA, which a signal cuts short."""
-    row = log.train_row(step, steps, mean_loss, lr_at(step - 1, run.cfg))
+    row = log.train_row(step, steps, mean_loss, lr_at(step - 1, run.cfg, run.total_steps))
     if heldout is not None and with_heldout:
         with log.paused():
             try:
                 with run.stop.interruptible(), own_rng(run.device):
                     for key, model in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
-                        row[key] = evaluation.heldout_losses(model, run.sched, heldout, run.cfg, run.device).mean().item()
+                        losses = evaluation.heldout_losses(model, run.sched, heldout, run.cfg, run.device)
+                        row[key] = losses.mean().item()
             except StopRequested:  # cut short by a stop: the row without them
                 row.pop('heldout_loss', None)
     log.write(row)
@@ -587,7 +632,7 @@ def write_sample_grid(run: Run, log, path: str, step: int):
     with log.paused():
         try:
             with run.stop.interruptible(), own_rng(run.device):
-                sample.write_grid(run.ema, run.sched, run.cfg, run.device, path)
+                write_grid(run.ema, run.sched, run.cfg, run.device, path)
             log.grids.append(path)
             log.out.image('samples', path, step * run.cfg.batch_size)
         except StopRequested:

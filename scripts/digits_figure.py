@@ -45,7 +45,8 @@ def draw_figure(args: FigureConfig):
     check_writable(os.path.dirname(args.out) or '.', '--out')
     shape = (64, config.in_channels, config.image_size, config.image_size)
     with torch.no_grad():
-        drawn = drawing.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, torch.Generator().manual_seed(0),
+        generator = torch.Generator().manual_seed(0)
+        drawn = drawing.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, generator,
                                                       prediction=prediction))
     real = data.load_digits_split(config.image_size, heldout=True)[0][:64]
     grids = [make_grid(images.float() / 255, nrow=8, padding=1, pad_value=0.5) for images in (drawn, real)]

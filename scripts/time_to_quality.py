@@ -3,15 +3,16 @@ runs it, for each lever added on top of it, and for diffusers' training recipe o
 one ladder. Every run is scored every --eval-every images and ends when its score reaches --target
 (12.3 for digits); the clock counts training alone (the first, compiling step included).
 
-The ladder, in the order it runs (each step a part that `--train` can run alone):
+The ladder, in the order it runs (each step a part that `--train` can run alone, once those above it
+are finished):
   baseline    the paper's recipe, --seeds seeds (the headline's reference);
-  peer        diffusers' recipe: its lr over a grid at its batch and at ours (one seed each at
-              --screen-images), then the best variant at --seeds seeds;
   speed       levers of the step's speed, each on the levers kept so far, --lever-seeds seeds paired
               with the arm below at --speed-images, judged by img/s;
   quality     levers of the images needed, each on the levers kept so far, --lever-seeds seeds paired
               with the arm below, judged by the minutes to --target;
-  fastest     the fastest arm to --seeds seeds.
+  fastest     the arm with every kept lever (the headline) to --seeds seeds;
+  peer        diffusers' recipe: its lr over a grid at its batch and at ours (one seed each at
+              --screen-images), then the best variant at --seeds seeds.
 A lever is kept when its mean paired gain exceeds the standard deviation of its paired gains (the
 pairs' spread); the report shows each gain with its 95% interval, and the headline ratios with theirs.
 
@@ -22,8 +23,9 @@ pairs' spread); the report shows each gain with its 95% interval, and the headli
         --images 20000000 --eval-every 2000000 --eval-samples 10000 --target 5   # FID on a GPU
 
 Each finished run's curve is OUT_DIR/STEM-runs/<arm>-<images>-seed<k>.json (commit it: a ladder on
-another machine continues from these); RUNS_DIR holds the runs in progress. The report, written once
-every run of the ladder is finished: OUT_DIR/STEM.{json,md,png}.
+another machine continues from these); RUNS_DIR holds the runs in progress. The report,
+OUT_DIR/STEM.{json,md,png}, is written by every command that gets past the baseline; until the last
+part has run it holds the finished parts and says so on its first line.
 """
 import dataclasses
 import json
@@ -54,7 +56,7 @@ from files import (atomic_open, check_creatable, check_writable, claim_folder, f
 from model import UNet, get_config  # noqa: E402
 from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
 
-PARTS = ('baseline', 'peer', 'speed', 'quality', 'fastest')
+PARTS = ('baseline', 'speed', 'quality', 'fastest', 'peer')
 
 
 @dataclass
@@ -90,8 +92,9 @@ class LadderConfig:
     preset: str = flag('tiny', 'UNet preset')
     image_size: int = flag(16, 'image resolution', at_least=4)
     device: str = flag('cpu', 'cpu, cuda or cuda:N')
-    data_dir: str = flag('./data', 'the data (and the digit classifier\'s cache; the recipe\'s PNG copy)')
-    runs_dir: str = flag('runs/time-to-quality', 'where the runs in progress go')
+    data_dir: str = flag('./data', 'the data (and the digit classifier\'s cache)')
+    runs_dir: str = flag('runs/time-to-quality', 'where the runs in progress go (and the recipe\'s PNG copy of the '
+                                                 'data)')
     out_dir: str = flag('results', 'where the report and the finished runs\' curves go')
     stem: str = flag('', 'report file name stem (default: <device>-<dataset>-time-to-quality, or -prediction-study)')
     workers: int = flag(1, 'runs trained at once, each in its own process (then set OMP_NUM_THREADS; times are '
@@ -125,9 +128,7 @@ def ours(cfg: LadderConfig) -> train.TrainConfig:
 def speed_levers(device, cfg: LadderConfig) -> list:
     """The levers in the order of the speed-up table: how fast a step runs, then how many images the
     samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2))."""
-    preset = ours(cfg)
-    mantissa, exponent = f'{preset.lr * math.sqrt(2):.0e}'.split('e')
-    batch, lr = 2 * preset.batch_size, f'{mantissa}e{int(exponent)}'  # 2e-3 -> '3e-3'
+    batch, lr = doubled_batch(cfg)
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
     return chosen(cfg, levers + [
@@ -146,21 +147,33 @@ def chosen(cfg: LadderConfig, items: list) -> list:
     return [i for i in items if not names or i.name in names or i.name == 'diffusers recipe']
 
 
+def doubled_batch(cfg: LadderConfig) -> tuple:
+    """The batch lever's setting: twice the preset's batch, its lr x sqrt(2) to one digit (2e-3 -> '3e-3')."""
+    preset = ours(cfg)
+    return 2 * preset.batch_size, one_digit(preset.lr * math.sqrt(2))
+
+
+def one_digit(lr: float) -> str:
+    mantissa, exponent = f'{lr:.0e}'.split('e')
+    return f'{mantissa}e{int(exponent)}'  # 2.83e-3 -> '3e-3'
+
+
 def recipe_variants(cfg: LadderConfig) -> list:
-    """diffusers' recipe at its own settings (batch 16, lr 1e-4) and its lr over a grid at its batch and at
-    ours: the tuning our arms had (the preset's lr and batch, and the batch lever's)."""
-    mine = ours(cfg)
-    grid = [(16, lr) for lr in ('1e-4', '3e-4', '1e-3')] + [(mine.batch_size, lr) for lr in (
-        '3e-4', '1e-3', f'{mine.lr:g}')]
+    """diffusers' recipe at its own settings (batch 16, lr 1e-4), its lr over a grid at its batch and at
+    ours, and at the batch lever's batch and lr: the tuning our arms had."""
+    mine, (batch, lr) = ours(cfg), doubled_batch(cfg)
+    grid = [(16, lr_) for lr_ in ('1e-4', '3e-4', '1e-3')] + [(mine.batch_size, lr_) for lr_ in (
+        '3e-4', '1e-3', one_digit(mine.lr))] + [(batch, lr)]
     return chosen(cfg, [Arm('diffusers recipe' if (batch, lr) == (16, '1e-4') else f'diffusers b{batch} lr {lr}',
                             "diffusers' train_unconditional.py loop and settings (AdamW, cosine to the run's "
                             f"planned end, EMAModel warm-up, 0 workers, our flip rule), batch {batch}, lr {lr}",
-                            ['--batch-size', str(batch), '--lr', lr], recipe=True) for batch, lr in dict.fromkeys(grid)])
+                            ['--batch-size', str(batch), '--lr', lr], recipe=True)
+                        for batch, lr in dict.fromkeys(grid)])
 
 
 def prediction_arms() -> list:
     """The paper's objective against v-prediction, Min-SNR-5 and both, at the baseline's speed."""
-    return [Arm('baseline', BASELINE_ARM.changes, BASELINE),
+    return [BASELINE_ARM,
             Arm('v-prediction', 'v-prediction', BASELINE + ['--prediction', 'v']),
             Arm('Min-SNR-5', 'Min-SNR-5 weights (eps)', BASELINE + ['--loss-weight', 'min-snr']),
             Arm('v + Min-SNR-5', 'both', BASELINE + ['--prediction', 'v', '--loss-weight', 'min-snr'])]
@@ -177,7 +190,7 @@ def base_flags(cfg: LadderConfig) -> list:
             '--device', cfg.device, '--data-dir', cfg.data_dir, '--eval-every', str(cfg.eval_every),
             '--eval-samples', str(cfg.eval_samples), '--eval-bpd-images', '50', '--eval-bpd-timesteps', '4',
             '--sampler', cfg.sampler, '--sample-steps', str(cfg.sample_steps), '--sample-every', '0',
-            '--log-every', '100']
+            '--log-every', '100', '--eval-noise', 'fresh']
 
 
 def run_flags(cfg: LadderConfig, job, folder: str) -> tuple:
@@ -185,7 +198,8 @@ def run_flags(cfg: LadderConfig, job, folder: str) -> tuple:
     the arm's) and the config train.py resolves them to."""
     batch = train.check_flags(base_flags(cfg) + job.arm.flags).batch_size
     flags = base_flags(cfg) + ['--steps', str(math.ceil(job.images / batch)), '--seed', str(job.seed),
-                               '--out-dir', folder, '--stop-at-score', str(job.target), *job.arm.flags]
+                               '--out-dir', folder, *(['--stop-at-score', str(job.target)] if job.target else []),
+                               *job.arm.flags]
     return flags, train.check_flags(flags)
 
 
@@ -194,11 +208,11 @@ class Job:
     arm: Arm
     seed: int
     images: int  # planned
-    target: float  # where it stops
+    target: float | None  # where it stops (None: it runs its whole budget)
 
     @property
     def name(self) -> str:
-        return f'{slug(self.arm.name)}-{self.images}-seed{self.seed}'
+        return f'{slug(self.arm.name)}-{self.images}{"-screen" if self.target is None else ""}-seed{self.seed}'
 
     def identity(self) -> dict:
         return {'arm': {'name': self.arm.name, 'flags': self.arm.flags, 'recipe': self.arm.recipe},
@@ -230,7 +244,9 @@ def train_arm(job: Job, cfg: LadderConfig, folder: str) -> dict | None:
     curve = [{'images': n, 'score': r[key], 'minutes': (60 * r['train_hours'] + first_step / 60),
               'eval_seconds': r['eval_seconds']} for n, r in sorted(evals.items())]
     images = done[0]['step'] * run_cfg.batch_size
-    return {'curve': curve, 'img_per_s': images / (done[0]['train_seconds'] + first_step),
+    made = {key: rows[0].get(key) for key in ('device_name', 'torch', 'date', 'commit')}  # train.py's record
+    return {'made': made, 'curve': curve, 'img_per_s': images / (done[0]['train_seconds'] + first_step),
+            'steady_img_per_s': (images - run_cfg.batch_size) / done[0]['train_seconds'], 'batch': run_cfg.batch_size,
             'first_step_s': first_step, 'train_minutes': (done[0]['train_seconds'] + first_step) / 60,
             'wall_minutes': done[0]['wall_s'] / 60}
 
@@ -242,16 +258,19 @@ def recipe_arm(job: Job, cfg: LadderConfig, stop: StopFlag) -> dict | None:
     config = get_config(cfg.preset, image_size=cfg.image_size, in_channels=data.channels_of(cfg.dataset))
     batch, lr = recipe_settings(job.arm)
     with stop.interruptible():
-        pngs = write_once(os.path.join(cfg.data_dir, f'{cfg.dataset}-{cfg.image_size}-png'), 'the recipe',
+        pngs = write_once(os.path.join(cfg.runs_dir, f'{cfg.dataset}-{cfg.image_size}-png'), 'the recipe',
                           lambda tmp: write_image_folder(data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size),
                                                          tmp))
         loader = recipe_loader(pngs, cfg.image_size, batch, 0, config.in_channels,
                                flip=data.flipped_in_training(cfg.dataset))
         steps = math.ceil(job.images / batch)
         torch.manual_seed(job.seed)
-        parts, stream = recipe_parts(config, device, len(loader), 'off', total_steps=steps, lr=lr), recipe_batches(loader)
+        parts = recipe_parts(config, device, len(loader), 'off', total_steps=steps, lr=lr)
+        stream = recipe_batches(loader)
         score, sched = judge(cfg, device), diffusion.make_schedule(1000)
     curve, seconds, start = [], 0.0, time.perf_counter()
+    made = {('device_name' if k == 'device' else k): v for k, v in provenance(device_name(device)).items()
+            if k in ('device', 'torch', 'date', 'commit')}
     for step in range(1, steps + 1):
         recipe_step(parts, next(stream))
         if stop.reason:
@@ -259,20 +278,20 @@ def recipe_arm(job: Job, cfg: LadderConfig, stop: StopFlag) -> dict | None:
         if step * batch // cfg.eval_every > (step - 1) * batch // cfg.eval_every:
             seconds += time.perf_counter() - start
             evaluated = time.perf_counter()
-            sampling = Sampling(num=cfg.eval_samples, batch_size=256, sampler=cfg.sampler, steps=cfg.sample_steps,
-                                seed=job.seed)
+            sampling = Sampling(num=cfg.eval_samples, batch_size=batch, sampler=cfg.sampler, steps=cfg.sample_steps,
+                                seed=evaluation.sampling_seed(job.seed, step * batch, cfg.eval_every, 'fresh'))
             images = torch.cat(list(draw(ema_as_our_unet(parts, config).to(device), config, sched, sampling,
                                          device, progress=False)))
             curve.append({'images': step * batch, 'score': score(images), 'minutes': seconds / 60,
                           'eval_seconds': time.perf_counter() - evaluated})
             print(f'{job.arm.name}, seed {job.seed}: {step * batch:,} images, score {curve[-1]["score"]:.2f}, '
                   f'{seconds / 60:.2f} training minutes', flush=True)
-            if curve[-1]['score'] <= job.target:
-                return {'curve': curve, 'img_per_s': step * batch / seconds, 'first_step_s': None,
+            if job.target is not None and curve[-1]['score'] <= job.target:
+                return {'made': made, 'curve': curve, 'img_per_s': step * batch / seconds, 'first_step_s': None,
                         'train_minutes': seconds / 60, 'wall_minutes': None}
             start = time.perf_counter()
     seconds += time.perf_counter() - start
-    return {'curve': curve, 'img_per_s': steps * batch / seconds, 'first_step_s': None,
+    return {'made': made, 'curve': curve, 'img_per_s': steps * batch / seconds, 'first_step_s': None,
             'train_minutes': seconds / 60, 'wall_minutes': None}
 
 
@@ -328,8 +347,10 @@ def read_result(job: Job, cfg: LadderConfig, identity: dict) -> dict | None:
         with open(path) as f:
             saved = json.load(f)
         run, ladder_of, curve = saved['run'], saved['ladder'], saved['curve']
-        if not (isinstance(curve, list) and curve and all({'images', 'score', 'minutes'} <= set(p) for p in curve)):
+        if not (isinstance(curve, list) and curve and all({'images', 'score', 'minutes', 'eval_seconds'} <= set(p)
+                                                          for p in curve)):
             raise ValueError('no curve')
+        float(saved['img_per_s']), float(saved['train_minutes'])
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ConfigError(f'{path}: damaged ({brief(error, 80)}); remove it and the run is trained again') from None
     if ladder_of != identity:
@@ -411,20 +432,32 @@ def interval(values: list) -> dict:
     return {'mean': mean, 'sd': sd, 'low': mean - half, 'high': mean + half, 'n': len(values)}
 
 
-def paired_gain(lever: Lever, got: list, below: list, target: float) -> dict:
-    """The lever's gain over the arm below, seed by seed (the same seeds): img/s gained (speed levers),
-    or minutes to the target saved (the others; a run that never reached it counts its whole training,
-    and any lever seed that did not reach it makes the lever lose). Kept: the mean gain is larger than
-    the pairs' spread (the sd of the gains)."""
+def paired_gain(lever: Lever, got: list, below: list, target: float, planned: int = None) -> dict:
+    """The lever's gain over the arm below, seed by seed (the same seeds): img/s gained over a run of
+    `planned` images (speed levers: projected from a short run), or minutes to the target saved (the
+    others; a run that never reached it counts its whole training, and any lever seed that did not
+    reach it makes the lever lose). Kept: the mean gain is larger than the pairs' spread (the sd of
+    the gains)."""
     if lever.judged_by == 'speed':
-        gains = [g['img_per_s'] - b['img_per_s'] for g, b in zip(got, below)]
-        reached = True
+        planned = planned if all('steady_img_per_s' in r for r in got + below) else None  # both sides alike
+        gains = [planned_img_per_s(g, planned) - planned_img_per_s(b, planned) for g, b in zip(got, below)]
+        reached = below_reached = True
     else:
         mine, theirs = [[minutes_to(r, target) for r in runs] for runs in (got, below)]
         gains, reached = [b[0] - g[0] for g, b in zip(mine, theirs)], all(g[1] for g in mine)
+        below_reached = all(b[1] for b in theirs)
     gain = interval(gains)
     return {**gain, 'gains': gains, 'unit': 'img/s' if lever.judged_by == 'speed' else 'minutes',
+            'lower_bound': not below_reached,  # a run below never reached the target: the gain is at least this
             'kept': reached and gain['sd'] is not None and gain['mean'] > gain['sd']}
+
+
+def planned_img_per_s(result: dict, planned: int = None) -> float:
+    """img/s over a run of `planned` images: its first (compiling) step once, every other step at the
+    measured run's steady rate; the measured run's own img/s without `planned`."""
+    if planned is None or 'steady_img_per_s' not in result:
+        return result['img_per_s']
+    return planned / (result['first_step_s'] + (planned - result['batch']) / result['steady_img_per_s'])
 
 
 def paired_ratio(base: list, fast: list, target: float) -> dict | None:
@@ -520,60 +553,65 @@ class Ladder:
 
 
 def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> dict | None:
-    """The speed ladder (see the docstring at the top). Returns its record, or None when stopped."""
+    """The speed ladder (see the docstring at the top). Returns its record, as far as its finished parts
+    go ('missing' says where it stopped), or None when a signal stopped it."""
     ladder, device = Ladder(cfg, identity, stop), pick_device(cfg.device)
     seeds, lever_seeds = range(cfg.seeds), range(cfg.lever_seeds)
     base = ladder.get('baseline', BASELINE_ARM, seeds, cfg.images, target)
     if base is None:
         return None
-    easy = max(score_at(r, cfg.easy_at) for r in base)
-    # The peer: the grid screened, the best variant at --seeds seeds.
-    screened = {}
-    for arm in recipe_variants(cfg):
-        got = ladder.get('peer', arm, [0], cfg.screen_images, target)
-        if got is None:
+    done = {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None, 'missing': None,
+            'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
+    try:
+        # The levers, each on the levers kept so far.
+        stack, below = list(BASELINE), BASELINE_ARM
+        for lever in speed_levers(device, cfg):
+            arm = Arm(lever.name, lever.changes, stack + lever.flags)
+            part, images = ('speed', cfg.speed_images) if lever.judged_by == 'speed' else ('quality', cfg.images)
+            theirs = ladder.get(part, below, lever_seeds, images, target)
+            mine = theirs and ladder.get(part, arm, lever_seeds, images, target)
+            if mine is None:
+                return None
+            decision = done['decisions'][arm.name] = {'builds_on': below.name, 'judged_by': lever.judged_by,
+                                                      **paired_gain(lever, mine, theirs, target, cfg.images)}
+            print(f"{arm.name}: {'kept' if decision['kept'] else 'left out'} for the arms below (on top of "
+                  f"{below.name})", flush=True)
+            if decision['kept']:
+                stack, below = arm.flags, arm
+        # The headline arm: every kept lever, at --seeds seeds and the full budget.
+        if ladder.get('fastest', below, seeds, cfg.images, target) is None:
             return None
-        screened[arm.name] = screen_score(got[0])
-    best = min(recipe_variants(cfg), key=lambda a: screened[a.name])
-    if ladder.get('peer', best, seeds, cfg.images, target) is None:
-        return None
-    # The levers, each on the levers kept so far.
-    decisions, stack, below = {}, list(BASELINE), BASELINE_ARM
-    for lever in speed_levers(device, cfg):
-        arm = Arm(lever.name, lever.changes, stack + lever.flags)
-        part, images = ('speed', cfg.speed_images) if lever.judged_by == 'speed' else ('quality', cfg.images)
-        theirs = ladder.get(part, below, lever_seeds, images, target)
-        mine = theirs and ladder.get(part, arm, lever_seeds, images, target)
-        if mine is None:
+        done['fastest'] = below.name
+        # The peer: the grid screened on one seed, the best variant at --seeds seeds.
+        for arm in recipe_variants(cfg):  # the screen runs its whole budget: it is judged by its end
+            got = ladder.get('peer', arm, [0], cfg.screen_images, None)
+            if got is None:
+                return None
+            done['screened'][arm.name] = screen_score(got[0])
+        best = min(recipe_variants(cfg), key=lambda a: done['screened'][a.name])
+        if ladder.get('peer', best, seeds, cfg.images, target) is None:
             return None
-        decisions[arm.name] = {'builds_on': below.name, 'judged_by': lever.judged_by,
-                               **paired_gain(lever, mine, theirs, target)}
-        print(f"{arm.name}: {'kept' if decisions[arm.name]['kept'] else 'left out'} for the arms below (on top of "
-              f"{below.name})", flush=True)
-        if decisions[arm.name]['kept']:
-            stack, below = arm.flags, arm
-    # The fastest full-budget arm to --seeds seeds: the headline.
-    full = {name: [r for j, r in got.items() if j.images == cfg.images] for name, got in ladder.runs.items()
-            if name in decisions or name == 'baseline'}
-    mean_minutes = {name: statistics.mean(minutes_to(r, target)[0] for r in rs) for name, rs in full.items()
-                    if rs and all(minutes_to(r, target)[1] for r in rs)}
-    fastest = min(mean_minutes, key=mean_minutes.get) if mean_minutes else None  # None: no arm reached it
-    if fastest and ladder.get('fastest', next(iter(ladder.runs[fastest])).arm, seeds, cfg.images, target) is None:
-        return None
-    return {'ladder': ladder, 'decisions': decisions, 'screened': screened, 'best_peer': best.name,
-            'fastest': fastest, 'targets': {'target': target, 'easy_target': easy}}
+        done['best_peer'] = best.name
+    except Missing as missing:
+        done['missing'] = str(missing)
+    return done
 
 
 def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> dict | None:
     """The prediction ladder: every arm on the baseline, --seeds seeds each."""
     ladder = Ladder(cfg, identity, stop)
-    for arm in prediction_arms()[:1] + chosen(cfg, prediction_arms()[1:]):
-        if ladder.get('quality' if arm.name != 'baseline' else 'baseline', arm, range(cfg.seeds), cfg.images,
-                      target) is None:
-            return None
-    base = list(ladder.runs['baseline'].values())
-    return {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None,
+    base = ladder.get('baseline', BASELINE_ARM, range(cfg.seeds), cfg.images, target)
+    if base is None:
+        return None
+    done = {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None, 'missing': None,
             'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
+    try:
+        for arm in chosen(cfg, prediction_arms()[1:]):
+            if ladder.get('quality', arm, range(cfg.seeds), cfg.images, target) is None:
+                return None
+    except Missing as missing:
+        done['missing'] = str(missing)
+    return done
 
 
 def run_all(jobs: list, cfg: LadderConfig, identity: dict, stop: StopFlag) -> list | None:
@@ -589,7 +627,8 @@ def run_all(jobs: list, cfg: LadderConfig, identity: dict, stop: StopFlag) -> li
             results.append(result)
         return results
     import multiprocessing
-    context, queue, running, failed = multiprocessing.get_context('spawn'), list(jobs), {}, None
+    queue = [job for job in jobs if read_result(job, cfg, identity) is None]  # finished ones are read back below
+    context, running, failed = multiprocessing.get_context('spawn'), {}, None
     try:
         while (queue or running) and not (stop.reason or failed):
             while queue and len(running) < cfg.workers:
@@ -613,9 +652,11 @@ def run_all(jobs: list, cfg: LadderConfig, identity: dict, stop: StopFlag) -> li
             process.join(60)
             if process.is_alive():
                 process.kill()
+    if stop.reason:  # a worker cut by the same signal may have failed in its start-up: a stop, not a failure
+        return None
     if failed:
         raise RunFailed(failed)
-    return None if stop.reason else [read_result(job, cfg, identity) for job in jobs]  # each worker wrote its own
+    return [read_result(job, cfg, identity) for job in jobs]  # each worker wrote its own
 
 
 STOPPED = 3  # a worker's exit code when a signal stopped its run
@@ -666,7 +707,8 @@ def ladder_identity(cfg: LadderConfig) -> dict:
     images = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size)
     return {'ladder': cfg.ladder, 'dataset': cfg.dataset, 'data': data.fingerprint(images), 'preset': cfg.preset,
             'image_size': cfg.image_size, 'device': cfg.device, 'eval_every': cfg.eval_every,
-            'eval_samples': cfg.eval_samples, 'sampler': cfg.sampler, 'sample_steps': cfg.sample_steps}
+            'eval_samples': cfg.eval_samples, 'sampler': cfg.sampler, 'sample_steps': cfg.sample_steps,
+            'eval_noise': 'fresh'}
 
 
 def check_arms(cfg: LadderConfig):
@@ -682,6 +724,11 @@ def check_arms(cfg: LadderConfig):
         if reason := diffusers_missing_reason():
             raise ConfigError(f'the diffusers recipe arms: {reason}')
         budgets += [(arm, images) for arm in recipe_variants(cfg) for images in (cfg.screen_images, cfg.images)]
+    speed_batch = max(train.check_flags(base_flags(cfg) + BASELINE + lv.flags).batch_size for lv in levers
+                      if lv.judged_by == 'speed') if any(lv.judged_by == 'speed' for lv in levers) else 1
+    if math.ceil(cfg.speed_images / speed_batch) < 2:
+        raise ConfigError(f'--speed-images {cfg.speed_images}: a speed run needs two steps at least (batch '
+                          f'{speed_batch}): its steady img/s is timed after the first')
     for arm, images in budgets:
         batch = recipe_settings(arm)[0] if arm.recipe else train.check_flags(base_flags(cfg) + arm.flags).batch_size
         if math.ceil(images / batch) * batch < cfg.eval_every:
@@ -724,8 +771,10 @@ def validate(cfg: LadderConfig) -> tuple:
         if target <= floor:
             raise ConfigError(f'--target {target}: below the floor of the digits score at {cfg.image_size}x'
                               f'{cfg.image_size} ({floor:.2f}, real held-out digits): no model can reach it')
-    elif target is None:
-        raise ConfigError('--target: needed for FID (no default outside digits)')
+    else:
+        if target is None:
+            raise ConfigError('--target: needed for FID (no default outside digits)')
+        evaluation.inception_extractor('', pick_device(cfg.device))  # offline without its weights: one line here
     for folder, name in folders:  # created only now that every check has passed
         check_writable(folder, name)
     return floor, target, identity
@@ -761,7 +810,7 @@ def ladder(cfg: LadderConfig) -> dict | None:
     restore = stop.install()
     try:
         done = (climb if cfg.ladder == 'speed' else side_by_side)(cfg, target, stop, identity)
-    except Missing as missing:
+    except Missing as missing:  # before the baseline is whole: nothing to report
         print(f'this part is done; the ladder needs more runs before its report: {missing}', flush=True)
         return None
     finally:
@@ -773,27 +822,49 @@ def ladder(cfg: LadderConfig) -> dict | None:
         return None
     result = record(done, cfg, floor)
     report(result, cfg)
+    if done['missing']:
+        print(f"this part is done; the report holds the finished parts only: {done['missing']}", flush=True)
     return result
 
 
 def record(done: dict, cfg: LadderConfig, floor) -> dict:
     """The report's record: provenance, the targets, every arm's runs and summary, the levers' paired
-    gains and the headline ratios (the fastest arm against the baseline and against the best peer)."""
+    gains and the headline ratios (the arm with every kept lever against the baseline, seed by seed,
+    and against the best diffusers variant; in the prediction ladder each arm against the baseline)."""
     ladder, targets, target = done['ladder'], done['targets'], done['targets']['target']
     runs = {name: [got[j] for j in sorted(got, key=lambda j: (j.images, j.seed))] for name, got in ladder.runs.items()}
-    full = {name: [r for r in rs if r['run']['images'] == cfg.images] for name, rs in runs.items()}
-    summary = summarise({n: full[n] or rs for n, rs in runs.items()}, targets)  # speed arms: at their budget
+    full = {name: {r['run']['seed']: r for r in rs if r['run']['images'] == cfg.images and r['run']['seed'] < cfg.seeds}
+            for name, rs in runs.items()}
+    summary = summarise({n: list(full[n].values()) or rs for n, rs in runs.items()}, targets)  # speed arms: short
+
+    def paired(name, against='baseline', to=target):
+        seeds = sorted(set(full[name]) & set(full[against]))
+        return paired_ratio([full[against][s] for s in seeds], [full[name][s] for s in seeds], to) if seeds else None
     headline = {}
-    if done['fastest']:
-        fast = full[done['fastest']]
-        headline = {'vs_baseline': paired_ratio(full['baseline'], fast, target),
-                    'vs_best_peer': unpaired_ratio(full[done['best_peer']], fast, target),
-                    'vs_baseline_easy': paired_ratio(full['baseline'], fast, targets['easy_target'])}
+    if done['fastest'] == 'baseline':
+        headline['no lever was kept: the headline arm is the baseline'] = None
+    elif done['fastest']:
+        name = done['fastest']
+        headline[f'{name} against the baseline, to {target:.2f} (paired by seed)'] = paired(name)
+        if done['best_peer']:
+            headline[f"{name} against the best diffusers variant ({done['best_peer']}), to {target:.2f} "
+                     f"(independent runs, Welch)"] = unpaired_ratio(list(full[done['best_peer']].values()),
+                                                                    list(full[name].values()), target)
+        headline[f"{name} against the baseline, to {targets['easy_target']:.2f} (paired by seed)"] = paired(
+            name, to=targets['easy_target'])
+    elif cfg.ladder == 'prediction':
+        headline = {f'{name} against the baseline, to {target:.2f} (paired by seed)': paired(name)
+                    for name in full if name != 'baseline'}
     arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],
                    **({'screen': done['screened'][name]} if name in done['screened'] else {})} for name in runs}
+    at_easy = [score_at(r, cfg.easy_at) for r in full['baseline'].values()]  # one training length, across seeds
+    machines = sorted({r.get('made', {}).get('device_name') for rs in runs.values() for r in rs} - {None})
     return {**provenance(device_name(pick_device(cfg.device))), 'config': asdict(cfg), 'floor': floor,
-            'targets': targets, 'fastest': done['fastest'], 'best_peer': done['best_peer'], 'headline': headline,
-            'levers': done['decisions'], 'arms': arms, 'runs': runs}
+            'machines': machines, 'baseline_at_easy': {'images': cfg.easy_at, 'scores': at_easy,
+                                                       'mean_sd': mean_sd(at_easy)},
+            'unfinished': done['missing'], 'targets': targets, 'fastest': done['fastest'],
+            'best_peer': done['best_peer'], 'headline': headline, 'levers': done['decisions'], 'arms': arms,
+            'runs': runs}
 
 
 # ----------------------------------------------------------------------------- the report
@@ -812,7 +883,9 @@ def report(result: dict, cfg: LadderConfig):
         return ms(got[what], spec) if got[what] else f"not reached ({got['reached']} of {got['of']} seeds)"
 
     def ci(value, spec):
-        return '-' if value is None else f"{value['mean']:{spec}} [{fmt(value['low'], spec)}, {fmt(value['high'], spec)}]"
+        if value is None:
+            return '-'
+        return f"{value['mean']:{spec}} [{fmt(value['low'], spec)}, {fmt(value['high'], spec)}]"
     hard, easy = f"{targets['target']:.2f}", f"{targets['easy_target']:.2f}"
     headers = ['Arm', 'what it changes', 'seeds', 'img/s', f'minutes to {hard}', f'images to {hard}',
                f'minutes to {easy}', 'last score', 'evaluation minutes (apart)', 'screen score']
@@ -820,33 +893,41 @@ def report(result: dict, cfg: LadderConfig):
              to(arm, 'target', 'minutes', '.2f'), to(arm, 'target', 'images', ',.0f'),
              to(arm, 'easy_target', 'minutes', '.2f'), ms(arm.get('last'), '.2f'), ms(arm.get('eval_minutes'), '.2f'),
              fmt(arm.get('screen'), '.2f')] for name, arm in arms.items()]
-    lever_rows = [[name, d['builds_on'], d['judged_by'], d['n'], f"{ci(d, '.3g')} {d['unit']}", fmt(d['sd'], '.3g'),
+    lever_rows = [[name, d['builds_on'], d['judged_by'], d['n'],
+                   f"{'>= ' if d['lower_bound'] else ''}{ci(d, '.3g')} {d['unit']}", fmt(d['sd'], '.3g'),
                    'kept' if d['kept'] else 'left out'] for name, d in result['levers'].items()]
     body = markdown_table(headers, rows, left=2)
     if lever_rows:
         body += ('\n\n### Levers: paired gains (the same seeds as the arm below)\n\n' + markdown_table(
             ['Lever', 'on top of', 'judged by', 'pairs', 'mean gain [95% interval]', 'spread (sd)', 'decision'],
             lever_rows, left=3))
+    if result['unfinished']:
+        body = f"**Unfinished**: the parts that have run so far ({result['unfinished']}).\n\n" + body
     if result['headline']:
         body += '\n\n### Headline: minutes to the target, ratio [95% interval]\n\n' + '\n'.join(
-            f"- {label}: {ratio_text(result['headline'][key])}" for key, label in (
-                ('vs_baseline', f"{result['fastest']} against the baseline, to {hard} (paired by seed)"),
-                ('vs_best_peer', f"{result['fastest']} against the best diffusers variant ({result['best_peer']}), "
-                                 f"to {hard} (independent runs, Welch)"),
-                ('vs_baseline_easy', f"{result['fastest']} against the baseline, to {easy} (paired by seed)")))
+            f"- {label}" + (f": {ratio_text(value)}" if value is not None or 'no lever' not in label else '')
+            for label, value in result['headline'].items())
+    if len(result['machines']) > 1:
+        body += f"\n\nThe runs were made on more than one machine ({', '.join(result['machines'])}): minutes and " \
+                f"img/s compare only within one."
     score = 'digits FD (classifier features)' if cfg.dataset == 'digits' else 'FID'
+    ladder_rule = (f"speed levers run {cfg.speed_images:,} images (judged by img/s over a planned run: the first step "
+                   f"once, the rest at their steady rate), the diffusers grid's screen {cfg.screen_images:,} (one "
+                   f"seed, to its end, scored by its last two evaluations' mean); a lever is kept when its mean "
+                   f"paired gain exceeds the sd of its paired gains ('>=': an arm below did not reach the target, "
+                   f"its whole training counted); " if cfg.ladder == 'speed' else 'every arm on the baseline; ')
     notes = (f"; {cfg.preset} preset, {cfg.dataset} {cfg.image_size}x{cfg.image_size}; {score} of {cfg.eval_samples} "
-             f"EMA samples ({cfg.sampler}, {cfg.sample_steps} calls, the same noise at every evaluation) every "
+             f"EMA samples ({cfg.sampler}, {cfg.sample_steps} calls, fresh noise at every evaluation) every "
              f"{cfg.eval_every:,} images" + (f"; floor {result['floor']:.2f}" if result['floor'] else '') +
              f". Runs plan {cfg.images:,} images (the recipe's cosine decays to there) and end at their first score "
-             f"at or below {hard}; speed levers run {cfg.speed_images:,} images, the diffusers grid's screen "
-             f"{cfg.screen_images:,} (one seed, scored by its last two evaluations' mean). Targets: {hard}, and "
-             f"{easy}, the baseline's worst seed's score at {cfg.easy_at:,} images. Mean +- sd over seeds; a lever "
-             f"is kept when its mean paired gain exceeds the sd of its paired gains; training minutes count the "
-             f"first (compiling) step, not the evaluations; a target not reached by every seed is 'not reached', "
-             f"never extrapolated; '>' marks a ratio to runs that did not all reach it (their whole training time)")
-    png = write_report(cfg.out_dir, stem_of(cfg), result, 'Time to quality: training minutes to a score, per lever',
-                       body, notes=notes)
+             f"at or below {hard}. Targets: {hard}, and {easy}, the baseline's worst seed's score at "
+             f"{cfg.easy_at:,} images. Mean +- sd over seeds; " + ladder_rule +
+             "training minutes count the first (compiling) step, not the evaluations; a target not reached by every "
+             "seed is 'not reached', never extrapolated; '>' marks a ratio to runs that did not all reach it (their "
+             "whole training time)")
+    title = 'Time to quality: training minutes to a score, ' + ('per lever' if cfg.ladder == 'speed' else
+                                                                 'per objective')
+    png = write_report(cfg.out_dir, stem_of(cfg), result, title, body, notes=notes)
     plot(result, cfg, png, score)
     print(body)
 
@@ -859,8 +940,9 @@ def ratio_text(value) -> str:
     if value is None:
         return 'the fast arm did not reach it on every seed'
     bound = '> ' if value['bound'] else ''
+    seeds = value['seeds'] if value['paired'] else f"{value['seeds'][0]} and {value['seeds'][1]}"
     return (f"{bound}{value['ratio']:.2f}x [{bound}{fmt(value['low'], '.2f')}, {fmt(value['high'], '.2f')}] "
-            f"({value['seeds']} seeds)")
+            f"({seeds} seeds)")
 
 
 def plot(result: dict, cfg: LadderConfig, png: str, score: str):

@@ -294,3 +294,24 @@ def test_resume_of_an_rgb_run_as_digits_is_refused(tmp_path, capsys):
     assert train.cli(['--resume', ckpt, '--dataset', 'digits', '--steps', '4']) == 2
     err = capsys.readouterr().err.strip()
     assert err.count('\n') == 0 and ('in_channels' in err or '--dataset' in err), err
+
+
+def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path):
+    import statistics
+
+    import digits_score
+    data_dir = os.path.join(os.path.dirname(os.path.dirname(digits_ckpt)), 'data')
+    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '3', '--data-dir', data_dir,
+                              '--out-dir', str(tmp_path)]) == 0
+    result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())
+    scores = [r['digits_fd'] for r in result['rows']]
+    assert [r['seed'] for r in result['rows']] == [0, 1, 2] and len(set(scores)) == 3  # other noise, other score
+    assert result['sd'] == pytest.approx(statistics.stdev(scores)) and all(r['digits_samples'] == 450
+                                                                            for r in result['rows'])
+    # Sampling seed 0 is the noise train.py's evaluation draws at batch 32: the same images, the same score.
+    judge = evaluation.DigitsJudge(16, data_dir)
+    model, config, sched, prediction = sample.load_model(digits_ckpt, 'ema', torch.device('cpu'))
+    from drawing import Sampling, draw
+    images = torch.cat(list(draw(model, config, sched, Sampling(num=450, batch_size=32, sampler='dpm++', steps=20),
+                                 torch.device('cpu'), progress=False)))
+    assert judge.score(judge.features(images))['digits_fd'] == scores[0]

@@ -38,6 +38,8 @@ def test_the_digits_score_check_orders_its_sets(tmp_path):
     assert rows['uniform noise']['digits_fd'] > 20 * floor
     blur = [rows[f'held-out digits, Gaussian blur sigma {s}']['digits_fd'] for s in (0.5, 1.0, 1.5, 2.0, 3.0)]
     assert blur == sorted(blur)
+    half = [rows[f'held-out digits, a random half mirrored (draw {k} of 5)']['digits_fd'] for k in range(1, 6)]
+    assert min(half) > 2 * floor and rows['held-out digits, all mirrored']['digits_fd'] > max(half)
 
 
 @pytest.mark.parametrize('script, args, expected', [

@@ -1,9 +1,13 @@
 """scripts/time_to_quality.py: the ladder of training minutes to a score. End to end on a tiny budget,
-reach and speed-ups on hand-made curves, reuse after a kill, stops and failures that end it at once,
-the recipe's EMA judged through our network, and bad input refused before any run."""
+reach, the keep rule and the intervals on hand-made runs, the fair peer's data, reuse and its refusals
+(damaged files, another ladder's runs), stops at any moment, workers that die with the ladder, and bad
+input refused before any run."""
 import json
+import math
 import os
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -15,7 +19,8 @@ from helpers import refusal
 import time_to_quality as ttq
 import train
 
-TINY = ['--images', '64', '--eval-every', '32', '--eval-samples', '8', '--sample-steps', '2', '--seeds', '1']
+TINY = ['--images', '64', '--speed-images', '64', '--screen-images', '64', '--easy-at', '32', '--eval-every', '32',
+        '--eval-samples', '8', '--sample-steps', '2', '--seeds', '2', '--lever-seeds', '2']
 
 
 def ladder_args(tmp_path, *extra):
@@ -23,50 +28,69 @@ def ladder_args(tmp_path, *extra):
             '--out-dir', str(tmp_path / 'out'), '--stem', 'ladder', *extra]
 
 
-def test_two_arms_and_the_recipe_end_to_end_then_reused(tmp_path, monkeypatch):
-    assert ttq.main(ladder_args(tmp_path, '--arms', 'baseline,+ channels-last,diffusers recipe')) == 0
+def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
+    assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction')) == 0
     result = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
-    assert list(result['arms']) == ['baseline', '+ channels-last', 'diffusers recipe']
+    assert list(result['arms']) == ['baseline', '+ channels-last', '+ v-prediction', 'diffusers recipe']
     assert result['config']['images'] == 64 and result['torch'] == torch.__version__ and result['command']
     for name, runs in result['runs'].items():
-        assert [[p['images'] for p in run['curve']] for run in runs] == [[32, 64]], name
+        assert all([p['images'] for p in run['curve']] == [32, 64] for run in runs), name
         assert all(p['minutes'] > 0 and p['score'] > result['floor'] for run in runs for p in run['curve'])
-    baseline = result['arms']['baseline']
-    assert result['targets']['final_target'] == result['runs']['baseline'][0]['curve'][-1]['score']
-    assert baseline['final_target']['reached'] == 1 and baseline['vs_baseline']['ratio'] == 1.0
-    assert result['targets']['harder_target'] == 12.3 and baseline['harder_target']['minutes'] is None
+    assert [len(result['runs'][name]) for name in result['arms']] == [2, 2, 2, 3]  # the recipe: its screen too
+    assert result['targets'] == {'target': 12.3, 'easy_target': max(
+        run['curve'][0]['score'] for run in result['runs']['baseline'])}  # the worst seed's score at 32 images
+    levers = result['levers']
+    below = '+ channels-last' if levers['+ channels-last']['kept'] else 'baseline'  # img/s of two-step runs: noise
+    assert [levers[n]['builds_on'] for n in levers] == ['baseline', below]
+    assert levers['+ channels-last']['judged_by'] == 'speed' and levers['+ v-prediction']['n'] == 2
+    assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
+    headline = result['headline']
+    assert result['best_peer'] == 'diffusers recipe' and all(value is None for value in headline.values())
+    curves = sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
+    assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-64-seed0.json',
+                      'channels-last-64-seed1.json', 'diffusers-recipe-64-screen-seed0.json',
+                      'diffusers-recipe-64-seed0.json', 'diffusers-recipe-64-seed1.json',
+                      'v-prediction-64-seed0.json', 'v-prediction-64-seed1.json']
     markdown = (tmp_path / 'out' / 'ladder.md').read_text()
-    assert 'not reached (0 of 1 seeds)' in markdown and '| diffusers recipe |' in markdown
+    assert 'not reached (0 of 2 seeds)' in markdown and '| diffusers recipe |' in markdown and 'Levers' in markdown
     assert (tmp_path / 'out' / 'ladder.png').read_bytes()[:4] == b'\x89PNG'
-    # The same command again trains nothing: every finished run is reused.
+    # The same command again, even with an empty runs folder (another machine), trains nothing.
     monkeypatch.setattr(train, 'cli', lambda argv: pytest.fail('a finished run was trained again'))
     monkeypatch.setattr(ttq, 'recipe_arm', lambda *args: pytest.fail('a finished recipe run was trained again'))
-    assert ttq.main(ladder_args(tmp_path, '--arms', 'baseline,+ channels-last,diffusers recipe',
-                                '--stem', 'again')) == 0
-    assert json.loads((tmp_path / 'out' / 'again.json').read_text())['runs'] == result['runs']
+    assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction', '--runs-dir',
+                                str(tmp_path / 'elsewhere'))) == 0
+    assert json.loads((tmp_path / 'out' / 'ladder.json').read_text())['runs'] == result['runs']
 
 
 def test_a_half_written_run_is_trained_again_from_its_start(tmp_path, monkeypatch):
-    assert ttq.main(ladder_args(tmp_path)[:-2] + ['--arms', 'baseline', '--stem', 'first']) == 0
-    finished = tmp_path / 'runs' / 'baseline-seed0'
-    kept = json.loads((finished / 'curve.json').read_text())
-    half = tmp_path / 'runs' / 'baseline-seed1'  # killed mid-run: a checkpoint and metrics, no curve.json
-    half.mkdir()
-    (half / 'metrics.jsonl').write_text('{"kind": "train", "step": 1}\n')
+    args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    assert ttq.main(args) == 0
+    kept = (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed0.json').read_text()
+    (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
+    half = tmp_path / 'runs' / 'baseline-64-seed1'  # killed mid-run: a checkpoint and metrics, no curve
     (half / 'ckpt.pt').write_bytes(b'not a finished run')
-    trained = []
-    real = train.cli
+    trained, real = [], train.cli
 
     def spy(argv):
         trained.append(argv[argv.index('--seed') + 1])
         return real(argv)
     monkeypatch.setattr(train, 'cli', spy)
-    assert ttq.main(ladder_args(tmp_path, '--arms', 'baseline', '--seeds', '2')) == 0
+    assert ttq.main(args) == 0
     assert trained == ['1']  # seed 0 reused, seed 1 redone
-    assert json.loads((finished / 'curve.json').read_text()) == kept
+    assert (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed0.json').read_text() == kept
     assert not (half / 'ckpt.pt').read_bytes().startswith(b'not a')
-    runs = json.loads((tmp_path / 'out' / 'ladder.json').read_text())['runs']['baseline']
-    assert len(runs) == 2 and runs[0] == kept
+    assert "part 'speed'" in json.loads((tmp_path / 'out' / 'ladder.json').read_text())['unfinished']
+
+
+def test_a_part_stops_where_the_ladder_needs_a_run_it_does_not_train(tmp_path, capsys):
+    assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')) == 0
+    out = capsys.readouterr().out
+    assert "part 'speed'" in out and '--train speed' in out
+    assert sorted(os.listdir(tmp_path / 'out' / 'ladder-runs')) == ['baseline-64-seed0.json', 'baseline-64-seed1.json']
+    # The report of the finished parts says so, on its first line.
+    result = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
+    assert result['levers'] == {} and result['headline'] == {} and list(result['arms']) == ['baseline']
+    assert '**Unfinished**' in (tmp_path / 'out' / 'ladder.md').read_text()
 
 
 def test_reach_interpolates_and_never_extrapolates():
@@ -80,56 +104,131 @@ def test_reach_interpolates_and_never_extrapolates():
     assert ttq.reach(curve, 4.0) is None  # below the last score: not reached, never extrapolated
 
 
-def test_the_summary_reports_reach_ratios_and_bounds():
-    def run(*points):  # (score, minutes) at 100, 200, ... images
-        return {'curve': [{'images': 100 * (i + 1), 'score': s, 'minutes': m, 'eval_seconds': 6.0}
-                          for i, (s, m) in enumerate(points)], 'img_per_s': 50.0, 'train_minutes': points[-1][1]}
-    runs = {'baseline': [run((40, 2), (20, 4), (10, 6)), run((40, 2), (10, 4), (10, 6))],
-            'fast': [run((40, 1), (10, 2), (8, 3))],
-            'diffusers recipe': [run((60, 3), (30, 6), (20, 9))]}
-    summary = ttq.summarise(runs, {'final_target': 10.0, 'harder_target': 8.0})
-    base, fast, recipe = summary['baseline'], summary['fast'], summary['diffusers recipe']
-    assert base['final_target']['minutes'] == (5.0, pytest.approx(1.4142, rel=1e-3))  # 6 and 4
-    assert base['final_target']['images'][0] == pytest.approx(250) and base['harder_target']['reached'] == 0
-    assert base['harder_target']['minutes'] is None and fast['harder_target']['minutes'] == pytest.approx((3.0, None))
-    assert fast['vs_baseline'] == {'ratio': pytest.approx(2.5), 'bound': False}
-    assert recipe['final_target']['minutes'] is None and recipe['vs_baseline'] is None
-    assert fast['vs_recipe'] == {'ratio': pytest.approx(4.5), 'bound': True}  # the recipe's 9 minutes never got there
-    assert base['eval_minutes'] == pytest.approx((0.3, 0.0)) and fast['final'] == (8, None)
+def run(minutes_to_10, img_per_s=100.0, reached=True):
+    """A hand-made run whose score falls from 40 to 10 (or, not reached, to 20) at `minutes_to_10`."""
+    last = 10.0 if reached else 20.0
+    return {'curve': [{'images': 100, 'score': 40.0, 'minutes': minutes_to_10 / 2, 'eval_seconds': 1.0},
+                      {'images': 200, 'score': last, 'minutes': minutes_to_10, 'eval_seconds': 1.0}],
+            'img_per_s': img_per_s, 'train_minutes': minutes_to_10}
 
 
-def test_a_lever_stays_for_the_arms_below_only_where_it_paid(tmp_path, monkeypatch):
-    # Hand-made runs: bf16 trains slower than the baseline, channels-last faster, v-prediction reaches the
-    # baseline's final score (12) sooner, Min-SNR later. The arms below must build on what paid only.
-    def run(img_per_s, *points):  # (score, minutes) at 100, 200, ... images
-        return {'curve': [{'images': 100 * (i + 1), 'score': s, 'minutes': m, 'eval_seconds': 1.0}
-                          for i, (s, m) in enumerate(points)], 'img_per_s': img_per_s, 'train_minutes': points[-1][1]}
-    made = {'baseline': run(100, (40, 2), (12, 4)), '+ bf16': run(90, (40, 2), (11, 4)),
-            '+ channels-last': run(120, (40, 2), (12, 3.5)), '+ fused Adam': run(120, (40, 2), (12, 3.5)),
-            '+ compile': run(110, (40, 2), (12, 3.7)), '+ v-prediction': run(120, (12, 1.5), (9, 3.5)),
-            '+ Min-SNR-5': run(120, (20, 2), (12, 3.5)), '+ batch 64': run(150, (11, 1.2), (9, 2.4)),
-            'diffusers recipe': run(80, (60, 3), (30, 6)), 'diffusers recipe at our lr': run(80, (50, 3), (20, 6))}
-    seen = {}
+TIME, SPEED = ttq.Lever('t', '', [], 'time'), ttq.Lever('s', '', [], 'speed')
 
-    def fake(jobs, cfg, stop):
-        for arm, _ in jobs:
-            seen[arm.name] = arm.flags
-        return {name: [made[name]] * sum(a.name == name for a, _ in jobs) for name in {a.name for a, _ in jobs}}
-    cpu = torch.device('cpu')
-    monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
-    monkeypatch.setattr(ttq, 'run_group', fake)
-    cfg = ttq.LadderConfig(seeds=2, other_seeds=1)
-    arms, runs, built = ttq.climb(ttq.speed_arms(cpu, cfg), cfg, ttq.StopFlag())
-    kept = {name: (b['builds_on'], b['kept']) for name, b in built.items()}
-    assert kept == {'+ bf16': ('baseline', False), '+ channels-last': ('baseline', True),
-                    '+ fused Adam': ('+ channels-last', False), '+ compile': ('+ channels-last', False),
-                    '+ v-prediction': ('+ channels-last', True), '+ Min-SNR-5': ('+ v-prediction', False),
-                    '+ batch 64': ('+ v-prediction', True)}
-    assert seen['+ batch 64'] == ttq.BASELINE + ['--channels-last', '--prediction', 'v', '--batch-size', '64',
-                                                 '--lr', '3e-3']
-    assert seen['+ compile'] == ttq.BASELINE + ['--channels-last', '--compile']
-    assert [a.name for a in arms][-2:] == ['diffusers recipe', 'diffusers recipe at our lr']
-    assert len(runs['baseline']) == len(runs['diffusers recipe']) == 2 and len(runs['+ bf16']) == 1
+
+def test_the_keep_rule_keeps_a_gain_beyond_the_pairs_spread_only():
+    below = [run(10), run(12), run(9)]
+    kept = ttq.paired_gain(TIME, [run(9), run(10.8), run(8.1)], below, 10.0)  # saves 1, 1.2, 0.9 minutes
+    assert kept['gains'] == pytest.approx([1.0, 1.2, 0.9]) and kept['kept']
+    noisy = ttq.paired_gain(TIME, [run(9.5), run(12.4), run(8.7)], below, 10.0)  # 0.5, -0.4, 0.3: inside
+    assert noisy['gains'] == pytest.approx([0.5, -0.4, 0.3]) and noisy['mean'] == pytest.approx((0.5 - 0.4 + 0.3) / 3)
+    assert noisy['sd'] == pytest.approx(statistics.stdev([0.5, -0.4, 0.3])) and not noisy['kept']
+    # A lever seed that never reaches the target loses, however much the others save.
+    assert not ttq.paired_gain(TIME, [run(1), run(1), run(5, reached=False)], below, 10.0)['kept']
+    # Speed levers: img/s gained, seed by seed.
+    fast = ttq.paired_gain(SPEED, [run(1, 130), run(1, 133), run(1, 128)], [run(1, 100), run(1, 101), run(1, 99)], 10)
+    assert fast['gains'] == [30, 32, 29] and fast['unit'] == 'img/s' and fast['kept']
+    assert not ttq.paired_gain(SPEED, [run(1, 105), run(1, 91), run(1, 108)],
+                               [run(1, 100), run(1, 101), run(1, 99)], 10)['kept']
+
+
+def test_a_speed_lever_is_judged_over_the_planned_run_with_its_compiling_once():
+    # A compile-like lever: 30 s of first step, then 600 img/s, against 500 img/s and a 0.1 s first step,
+    # batch 32. In a 25,000-image screen it is slower; over the planned 400,000 images it is faster.
+    def screen(first, steady):
+        seconds = first + (25_000 - 32) / steady
+        return {'curve': [], 'img_per_s': 25_000 / seconds, 'steady_img_per_s': steady, 'first_step_s': first,
+                'batch': 32, 'train_minutes': seconds / 60}
+    assert ttq.planned_img_per_s(screen(30.0, 600.0), 400_000) == pytest.approx(400_000 / (30 + 399_968 / 600))
+    lever, below = [screen(30.0, 600.0 + s) for s in range(3)], [screen(0.1, 500.0 + s) for s in range(3)]
+    assert lever[0]['img_per_s'] < below[0]['img_per_s']
+    gain = ttq.paired_gain(SPEED, lever, below, 10.0, planned=400_000)
+    gains = [400_000 / (30 + 399_968 / (600 + s)) - 400_000 / (0.1 + 399_968 / (500 + s)) for s in range(3)]
+    assert gain['kept'] and gain['gains'] == pytest.approx(gains) and gain['mean'] == pytest.approx(sum(gains) / 3)
+
+
+def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_target(monkeypatch, tmp_path):
+    # Hand-made runs: v-prediction reaches 20 (the easy score) sooner on every seed but 10 (the target)
+    # later; Min-SNR the other way round. Only the target decides: v-prediction is left out, Min-SNR kept.
+    # Channels-last, a speed lever, trains no faster: left out, judged on its own short budget.
+    def curve(at20, at10, img_per_s=100.0):
+        return {'curve': [{'images': 100, 'score': 40.0, 'minutes': 1.0, 'eval_seconds': 1.0},
+                          {'images': 200, 'score': 20.0, 'minutes': at20, 'eval_seconds': 1.0},
+                          {'images': 300, 'score': 10.0, 'minutes': at10, 'eval_seconds': 1.0}],
+                'img_per_s': img_per_s, 'train_minutes': at10}
+    made = {'baseline': lambda s: curve(3 + 0.1 * s, 6 + 0.1 * s, 100 + s),
+            '+ channels-last': lambda s: curve(3, 6, 100 + (-1) ** s),
+            '+ v-prediction': lambda s: curve(2 + 0.1 * s, 7 + 0.1 * s),
+            '+ Min-SNR-5': lambda s: curve(4 + 0.1 * s, 5 + 0.1 * s),
+            'diffusers recipe': lambda s: curve(8, 12)}
+    seen = []
+
+    def fake(jobs, cfg, identity, stop):
+        seen.extend((job.arm.name, job.arm.flags, job.images, job.seed, job.target) for job in jobs)
+        return [{'run': job.identity(), **made[job.arm.name](job.seed)} for job in jobs]
+    monkeypatch.setattr(ttq, 'run_all', fake)
+    cfg = ttq.LadderConfig(arms='+ channels-last,+ v-prediction,+ Min-SNR-5', seeds=4, lever_seeds=3, images=300,
+                           speed_images=100, screen_images=200, easy_at=200, out_dir=str(tmp_path))
+    done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {})
+    assert {n: (d['builds_on'], d['kept']) for n, d in done['decisions'].items()} == {
+        '+ channels-last': ('baseline', False), '+ v-prediction': ('baseline', False),
+        '+ Min-SNR-5': ('baseline', True)}
+    runs = {(name, images, seed, target) for name, _, images, seed, target in seen}
+    assert {(images, seed) for name, images, seed, _ in runs if name == '+ channels-last'} == {(100, 0), (100, 1),
+                                                                                                 (100, 2)}
+    assert {(name, images, seed) for name, images, seed, _ in runs if name == 'baseline'} == {
+        ('baseline', 300, s) for s in range(4)} | {('baseline', 100, s) for s in range(3)}  # beside each speed lever
+    assert ('+ Min-SNR-5', ttq.BASELINE + ['--loss-weight', 'min-snr'], 300, 3, 10.0) in seen  # the headline's seeds
+    assert ('diffusers recipe', ['--batch-size', '16', '--lr', '1e-4'], 200, 0, None) in seen  # the screen: no stop
+    assert done['fastest'] == '+ Min-SNR-5' and done['best_peer'] == 'diffusers recipe'
+    assert done['targets']['easy_target'] == 20.0
+
+
+def test_the_intervals_on_hand_made_numbers():
+    # The paired interval: mean +- t(0.975, n-1) sd / sqrt(n), with t from a table (4 degrees of freedom).
+    values = [1.0, 2.0, 4.0, 3.5, 2.5]
+    mean = sum(values) / 5
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
+    got = ttq.interval(values)
+    assert got['mean'] == pytest.approx(2.6) and got['sd'] == pytest.approx(sd)
+    assert (got['low'], got['high']) == pytest.approx((mean - 2.776445105 * sd / math.sqrt(5),
+                                                       mean + 2.776445105 * sd / math.sqrt(5)))
+    # The headline ratio, paired: the geometric mean of base/fast seed by seed, the interval on log ratios.
+    base, fast = [10, 12, 9, 11, 10], [4, 5, 4, 4, 5]
+    ratio = ttq.paired_ratio([run(m) for m in base], [run(m) for m in fast], 10.0)
+    logs = [math.log(b / f) for b, f in zip(base, fast)]
+    centre = sum(logs) / 5
+    half = 2.776445105 * math.sqrt(sum((x - centre) ** 2 for x in logs) / 4) / math.sqrt(5)
+    assert ratio['ratio'] == pytest.approx(math.exp(centre)) and not ratio['bound']
+    assert (ratio['low'], ratio['high']) == pytest.approx((math.exp(centre - half), math.exp(centre + half)))
+    # The peer, unpaired: equal variances and counts give Welch's 2(n-1) = 8 degrees of freedom (t 2.306004135).
+    peer, ours = [20, 24, 22, 26, 18], [10, 12, 11, 13, 9]  # the same spread in log: ours = peer / 2
+    got = ttq.unpaired_ratio([run(m) for m in peer], [run(m) for m in ours], 10.0)
+    var = statistics.variance([math.log(m) for m in peer]) / 5
+    assert got['ratio'] == pytest.approx(2.0)
+    assert got['low'] == pytest.approx(2.0 * math.exp(-2.306004135 * math.sqrt(2 * var)), rel=1e-6)
+    # A peer run that never reached the target: its whole training is counted, and the ratio is a bound.
+    assert ttq.unpaired_ratio([run(30, reached=False)] + [run(m) for m in peer[1:]], [run(m) for m in ours],
+                              10.0)['bound']
+    assert ttq.paired_ratio([run(m) for m in base], [run(4, reached=False)] + [run(m) for m in fast[1:]], 10.) is None
+
+
+def test_the_recipe_loader_on_digits_gives_our_images_unmirrored(tmp_path):
+    import data
+    from diffusers_io import recipe_loader, write_image_folder
+    ours = data.load_dataset('digits', str(tmp_path), 16)
+    write_image_folder(ours, str(tmp_path / 'png'))
+
+    def as_bytes(images):  # [-1, 1] -> each image's uint8 bytes, sorted: the set up to order
+        return sorted(((x + 1) * 127.5).round().to(torch.uint8).numpy().tobytes() for x in images)
+
+    def recipe(flip):
+        return as_bytes(torch.cat([x for x, _ in recipe_loader(str(tmp_path / 'png'), 16, 100, 0, channels=1,
+                                                                 flip=flip)]))
+    mine = sorted(ours[i].numpy().tobytes() for i in range(len(ours)))
+    assert recipe(flip=data.flipped_in_training('digits')) == mine  # the same 1,347 images, none mirrored
+    loader = data.make_loader('gpu', ours, 449, 0, 'cpu', flip=data.flipped_in_training('digits'))
+    assert as_bytes(torch.cat(list(loader.epoch(0, 0)))) == mine  # as our runs see them
+    assert recipe(flip=True) != mine  # the example's --random_flip would mirror about half of them
 
 
 def test_the_recipes_ema_is_judged_through_our_network_as_the_same_function():
@@ -154,25 +253,115 @@ def test_the_recipes_ema_is_judged_through_our_network_as_the_same_function():
 
 
 @pytest.mark.parametrize('extra, expected', [
-    (['--arms', 'warp drive'], "no arm named 'warp drive'"),
+    (['--arms', 'warp drive'], "no lever or variant named 'warp drive'"),
+    (['--train', 'warp'], 'no part named warp'),
     (['--target', '5'], 'below the floor of the digits score'),
-    (['--images', '20', '--eval-every', '100'], 'before its first evaluation'),  # batch 32: it ends at 32
+    (['--images', '20', '--screen-images', '20', '--eval-every', '100'],
+     'before its first evaluation'),  # batch 32: it ends at 32
+    (['--speed-images', '32', '--eval-every', '32'], 'a speed run needs two steps'),
+    (['--screen-images', '10', '--eval-every', '20'], "'diffusers recipe' ends at 16 images"),  # its batch 16
+    (['--easy-at', '1000'], '--easy-at 1000'),
+    (['--lever-seeds', '1'], '--lever-seeds'),
     (['--image-size', '6'], '--image-size 6'),  # train.py's own check, not a copy of it
-    (['--arms', 'baseline', '--stem', '../x'], 'a plain file name'),
+    (['--stem', '../x'], 'a plain file name'),
 ])
 def test_bad_input_is_one_line_before_any_run(tmp_path, capsys, extra, expected):
-    args = ladder_args(tmp_path)[:-2] + extra
-    code, err = refusal(capsys, ttq.main, args)
+    code, err = refusal(capsys, ttq.main, ladder_args(tmp_path, *extra))
     assert code == 2 and expected in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / 'runs').exists() and not (tmp_path / 'out').exists()
 
 
-def test_another_ladders_runs_are_refused(tmp_path, capsys):
-    assert ttq.main(ladder_args(tmp_path, '--arms', 'baseline')) == 0
-    before = sorted(os.listdir(tmp_path / 'runs'))
-    code, err = refusal(capsys, ttq.main, ladder_args(tmp_path, '--arms', 'baseline', '--eval-samples', '9'))
-    assert code == 2 and 'holds the runs of another ladder' in err
-    assert sorted(os.listdir(tmp_path / 'runs')) == before
+@pytest.mark.parametrize('made', ['missing', 'empty'])
+def test_an_image_folder_without_images_is_refused_before_anything_is_made(tmp_path, capsys, made):
+    folder = tmp_path / 'images'
+    if made == 'empty':
+        folder.mkdir()
+    args = ladder_args(tmp_path, '--dataset', 'folder')
+    args[args.index('--data-dir') + 1] = str(folder)
+    code, err = refusal(capsys, ttq.main, args)
+    assert code == 2 and len(err.splitlines()) == 1 and str(folder) in err, err
+    assert not (tmp_path / 'runs').exists() and not (tmp_path / 'out').exists()
+
+
+def test_another_ladders_runs_are_refused_and_nothing_is_deleted(tmp_path, capsys):
+    args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    assert ttq.main(args) == 0
+    before = sorted(os.listdir(tmp_path / 'runs')), sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
+    for changed in (args + ['--eval-samples', '9'], ladder_args(tmp_path, '--ladder', 'prediction', '--stem', 'p')):
+        code, err = refusal(capsys, ttq.main, changed)
+        assert code == 2 and 'holds the runs of another ladder' in err and len(err.splitlines()) == 1, err
+    # A fresh runs folder, but the curves beside the report are of another ladder.
+    code, err = refusal(capsys, ttq.main, args + ['--eval-samples', '9', '--runs-dir', str(tmp_path / 'fresh')])
+    assert code == 2 and 'made by another ladder' in err and len(err.splitlines()) == 1, err
+    assert (sorted(os.listdir(tmp_path / 'runs')), sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))) == before
+
+
+def test_a_runs_folder_of_other_images_is_refused(tmp_path):
+    from helpers import write_image_folder
+    write_image_folder(tmp_path / 'a', count=40, seed=0)
+    write_image_folder(tmp_path / 'b', count=40, seed=1)
+
+    def ladder_of(folder):  # the same settings, another folder of images
+        return ttq.LadderConfig(dataset='folder', data_dir=str(tmp_path / folder), image_size=16,
+                                runs_dir=str(tmp_path / 'runs'))
+    ttq.claim_runs_dir(ladder_of('a'), ttq.ladder_identity(ladder_of('a')))()  # made, then released
+    ttq.claim_runs_dir(ladder_of('a'), ttq.ladder_identity(ladder_of('a')))()  # the same images: accepted
+    with pytest.raises(ttq.ConfigError, match='holds the runs of another ladder'):
+        ttq.claim_runs_dir(ladder_of('b'), ttq.ladder_identity(ladder_of('b')))
+    assert os.listdir(tmp_path / 'runs') == ['ladder.json']
+
+
+@pytest.mark.parametrize('damage', ['cut', 'no run key', 'empty curve'])
+def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage):
+    args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    assert ttq.main(args) == 0
+    path = tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json'
+    saved = json.loads(path.read_text())
+    if damage == 'cut':
+        path.write_text(path.read_text()[:50])
+    else:
+        saved.pop('run') if damage == 'no run key' else saved.update(curve=[])
+        path.write_text(json.dumps(saved))
+    code, err = refusal(capsys, ttq.main, args)
+    assert code == 2 and len(err.splitlines()) == 1 and str(path) in err and 'remove it' in err, err
+    path.unlink()  # as it says: the run is trained again
+    assert ttq.main(args) == 0 and json.loads(path.read_text())['curve']
+
+
+def test_a_damaged_ladder_json_is_one_line(tmp_path, capsys):
+    args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    assert ttq.main(args) == 0
+    (tmp_path / 'runs' / 'ladder.json').write_text('{"ladder": ')
+    code, err = refusal(capsys, ttq.main, args)
+    assert code == 2 and len(err.splitlines()) == 1 and 'ladder.json: damaged' in err, err
+
+
+def test_a_run_written_by_two_processes_is_never_reported(tmp_path, monkeypatch, capsys):
+    def two_writers(argv):
+        folder = argv[argv.index('--out-dir') + 1]
+        row = {'kind': 'eval', 'images_seen': 32, 'digits_fd': 50.0, 'train_hours': 0.01, 'eval_seconds': 1}
+        done = {'kind': 'done', 'step': 2, 'wall_s': 1.0, 'train_seconds': 1.0}
+        with open(os.path.join(folder, 'metrics.jsonl'), 'w') as f:
+            f.write('\n'.join(json.dumps(r) for r in (row, done, row, done)) + '\n')
+        return 0
+    monkeypatch.setattr(train, 'cli', two_writers)
+    code, err = refusal(capsys, ttq.main, ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline'))
+    assert code == 1 and 'more than one process' in err
+    assert not (tmp_path / 'out' / 'ladder-runs').exists()
+
+
+def test_a_stop_in_a_runs_start_up_is_the_clean_stop(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(train, 'cli', lambda argv: 0)  # what train.py does when stopped before training started
+    assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last')) == 0
+    assert 'no report written' in capsys.readouterr().out
+    assert not (tmp_path / 'out' / 'ladder.json').exists() and not (tmp_path / 'out' / 'ladder-runs').exists()
+
+
+def test_the_stem_follows_the_dataset_and_the_ladder():
+    assert ttq.stem_of(ttq.LadderConfig()) == 'cpu-digits-time-to-quality'
+    assert ttq.stem_of(ttq.LadderConfig(dataset='shapes')) == 'cpu-shapes-time-to-quality'
+    assert ttq.stem_of(ttq.LadderConfig(ladder='prediction')) == 'cpu-digits-prediction-study'
+    assert ttq.stem_of(ttq.LadderConfig(stem='mine')) == 'mine'
 
 
 def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capability(monkeypatch, tmp_path, capsys):
@@ -190,13 +379,13 @@ def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capabil
     code, err = refusal(capsys, train.cli, ['--device', 'cpu', '--amp', 'bf16', '--preset', 'tiny', '--out-dir',
                                             str(tmp_path / 'run')])
     assert code == 2 and 'no native bf16' in err and not (tmp_path / 'run').exists()
-    assert '+ bf16' not in [a.name for a in ttq.speed_arms(cpu, ttq.LadderConfig())]
+    assert '+ bf16' not in [lv.name for lv in ttq.speed_levers(cpu, ttq.LadderConfig())]
     monkeypatch.setattr(train, 'cpu_has_native_bf16', lambda: True)
     monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
     assert defaults() == every_lever
     given = train.resolve_defaults(train.TrainConfig(preset='tiny', amp='off', compile=False), cpu)
     assert (given.amp, given.compile, given.channels_last) == ('off', False, True)  # a flag given wins
-    assert '+ bf16' in [a.name for a in ttq.speed_arms(cpu, ttq.LadderConfig())]
+    assert '+ bf16' in [lv.name for lv in ttq.speed_levers(cpu, ttq.LadderConfig())]
 
 
 def _script(root, tmp_path, *extra):
@@ -204,39 +393,81 @@ def _script(root, tmp_path, *extra):
 
 
 def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root):
-    # A run fails inside a worker process (a corrupt image in the folder, found when train.py loads
-    # it): one line naming the run, exit 1, no hang, no report.
-    from PIL import Image
-    folder = tmp_path / 'images'
-    folder.mkdir()
-    for i in range(40):
-        Image.new('L', (16, 16), i * 5).save(folder / f'{i}.png')
-    (folder / 'broken.png').write_bytes(b'not a png')
-    args = _script(root, tmp_path, '--dataset', 'folder', '--arms', 'baseline,+ channels-last', '--workers', '2',
-                   '--other-seeds', '1')
-    args[args.index('--data-dir') + 1] = str(folder)
-    result = subprocess.run(args, capture_output=True, text=True, timeout=240,
+    # A run's folder is still written by a live process (here: this test's): the worker refuses to delete or
+    # share it, and its failure ends the ladder: one line naming the run, exit 1, no hang, no report.
+    args = _script(root, tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    assert subprocess.run(args, capture_output=True, timeout=240).returncode == 0
+    (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
+    held = tmp_path / 'runs' / 'baseline-64-seed1'
+    (held / 'lock').write_text(json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'started': 'now'}))
+    result = subprocess.run(args + ['--workers', '2'], capture_output=True, text=True, timeout=240,
                             env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert result.returncode == 1, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith('error: ') and ('baseline, seed 0' in last or '+ channels-last, seed 0' in last), last
+    assert last.startswith('error: ') and 'baseline, seed 1' in last and 'still written by pid' in result.stderr, last
+    assert (held / 'ckpt.pt').exists()  # not deleted
     assert not (tmp_path / 'out' / 'ladder.json').exists()  # no report
 
 
 def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_path, root):
-    args = _script(root, tmp_path, '--arms', 'baseline,+ channels-last', '--images', '3200', '--eval-every', '1600')
+    args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '3200', '--speed-images', '3200',
+                   '--screen-images', '3200', '--eval-every', '1600', '--easy-at', '1600')
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / 'runs' / 'baseline-seed0' / 'metrics.jsonl'
+    metrics = tmp_path / 'runs' / 'baseline-3200-seed0' / 'metrics.jsonl'
     deadline = time.time() + 120
-    while not (metrics.exists() and '"kind": "train"' in metrics.read_text()) and time.time() < deadline:
-        time.sleep(0.2)
+    while not (metrics.exists() and '"kind": "eval"' in metrics.read_text()) and time.time() < deadline:
+        time.sleep(0.2)  # its first evaluation, half-way: the second half is training
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0 and 'no report written' in out, err[-2000:]
     assert not (tmp_path / 'out' / 'ladder.json').exists()  # nothing built on a cut run
-    assert not (tmp_path / 'runs' / 'baseline-seed0' / 'curve.json').exists()
-    assert not (tmp_path / 'runs' / 'channels-last-seed0').exists()  # the ladder did not go on
-    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert not (tmp_path / 'out' / 'ladder-runs').exists()
+    assert not (tmp_path / 'runs' / 'baseline-3200-seed1').exists()  # the ladder did not go on
+    rerun = subprocess.run(args + ['--train', 'baseline'], capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    result = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
-    assert [p['images'] for p in result['runs']['baseline'][0]['curve']] == [1600, 3200]
+    curve = json.loads((tmp_path / 'out' / 'ladder-runs' / 'baseline-3200-seed0.json').read_text())
+    assert [p['images'] for p in curve['curve']] == [1600, 3200]
+
+
+def children_of(pid: int) -> set:
+    found = set()
+    for task in os.listdir(f'/proc/{pid}/task'):
+        with open(f'/proc/{pid}/task/{task}/children') as f:
+            found |= {int(p) for p in f.read().split()}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f'/proc/{pid}/stat') as f:
+            return f.read().split(')')[-1].split()[0] != 'Z'
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason='reads children from /proc (Linux)')
+def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp_path, root):
+    args = _script(root, tmp_path, '--arms', '+ channels-last', '--workers', '2', '--train', 'baseline', '--images',
+                   '6400', '--speed-images', '6400', '--screen-images', '6400', '--eval-every', '3200',
+                   '--easy-at', '3200')
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    started = [tmp_path / 'runs' / f'baseline-6400-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
+    deadline = time.time() + 180
+    while not all(m.exists() and '"kind": "train"' in m.read_text() for m in started) and time.time() < deadline:
+        time.sleep(0.2)
+    workers = {p for p in children_of(process.pid) if alive(p)}
+    assert len(workers) >= 2
+    process.kill()  # kill -9: no handler runs in the ladder
+    process.wait()
+    deadline = time.time() + 60
+    while any(alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(alive(p) for p in workers), 'a worker trained on after its ladder was killed'
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    for seed in (0, 1):
+        rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-6400-seed{seed}' / 'metrics.jsonl').open()]
+        assert sum(r.get('kind') == 'done' for r in rows) == 1
+        curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-6400-seed{seed}.json').read_text())['curve']
+        assert [p['images'] for p in curve] == [3200, 6400]

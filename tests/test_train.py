@@ -18,9 +18,9 @@ import checkpoint
 import cli
 import data
 import diffusion
+import drawing
 import evaluation
 import files
-import sample
 import train
 
 
@@ -70,7 +70,7 @@ def test_ema_samples_and_evaluates_without_dropout(tmp_path):
         for p in ema.parameters():  # weights that make dropout visible (the untrained output conv is zero)
             p.add_(0.05 * torch.randn_like(p))
     for name in ('a.png', 'b.png'):
-        sample.write_grid(ema, diffusion.make_schedule(1000), cfg, torch.device('cpu'), str(tmp_path / name))
+        drawing.write_grid(ema, diffusion.make_schedule(1000), cfg, torch.device('cpu'), str(tmp_path / name))
     assert (tmp_path / 'a.png').read_bytes() == (tmp_path / 'b.png').read_bytes()
 
 
@@ -237,7 +237,7 @@ def test_heldout_loss_is_deterministic_and_without_dropout():
 @pytest.mark.parametrize('sampler', ['ddim', 'dpm++'])
 def test_sample_grid_holds_the_samplers_images(tmp_path, sampler):
     run = tiny_run(num_samples=4, sample_steps=3, seed=7, sampler=sampler)
-    sample.write_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
+    drawing.write_grid(run.model.eval(), run.sched, run.cfg, run.device, str(tmp_path / 'grid.png'))
     grid = torchvision.io.read_image(str(tmp_path / 'grid.png'))
     assert grid.shape == (3, 2 * 16 + 3 * 2, 2 * 16 + 3 * 2)  # 2 x 2 images, 2-pixel padding
     draw = {'ddim': diffusion.ddim_sample, 'dpm++': diffusion.dpm_solver_sample}[sampler]
@@ -658,7 +658,7 @@ def test_resume_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
 def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys, failure):
     def disk_full(*args, **kwargs):  # a full disk, or a grid too large for memory
         raise failure
-    monkeypatch.setattr(sample, 'write_grid', disk_full)
+    monkeypatch.setattr(train, 'write_grid', disk_full)
     assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
     captured = capsys.readouterr()
     assert captured.err.count('could not write the sample grid') == 2 and 'samples in' not in captured.out
@@ -668,7 +668,6 @@ def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys, failure
 def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, monkeypatch, shapes_fid_dir):
     # Grids, checkpoints, the FID reference statistics and evaluations that take 1000 s of a fake
     # clock: had they been counted, the logged img/s would imply over 1000 s per interval.
-    import sample
     offset, real_clock = [0.0], time.perf_counter
     monkeypatch.setattr(time, 'perf_counter', lambda: real_clock() + offset[0])
 
@@ -677,7 +676,7 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
             offset[0] += 1000.0
             return real(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(sample, 'write_grid', slow(sample.write_grid))
+    monkeypatch.setattr(train, 'write_grid', slow(train.write_grid))
     monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
     monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
     monkeypatch.setattr(evaluation, 'reference_statistics', slow(evaluation.reference_statistics))
@@ -735,6 +734,7 @@ def test_modules_import_only_the_layers_below_them():
                  for alias in node.names} | {node.module.split('.')[0] for node in ast.walk(tree)
                                              if isinstance(node, ast.ImportFrom) and node.module}
         assert all(layer[other] < layer[name] for other in found & set(layer)), (name, found & set(layer))
+        assert name != 'train' or 'sample' not in found  # the grid writer lives in drawing.py, below both
 
 
 def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
@@ -758,6 +758,24 @@ EVAL = ['--eval-samples', '8', '--eval-bpd-images', '12', '--eval-bpd-timesteps'
 
 def eval_rows(tmp_path):
     return [row for row in metrics(tmp_path) if row.get('kind') == 'eval']
+
+
+def test_stop_at_score_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_path, monkeypatch, shapes_fid_dir,
+                                                                           capsys):
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    common = ['--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path), '--steps', '12']
+    scores = iter([50.0, 30.0, 9.0, 5.0])  # the run's FIDs, evaluation by evaluation
+    monkeypatch.setattr(evaluation, 'frechet_distance', lambda *args: next(scores))
+    assert run(tmp_path, *common, '--stop-at-score', '10') == 0
+    assert [r['fid'] for r in eval_rows(tmp_path)] == [50.0, 30.0, 9.0]  # at 24, 40, 64 images: 9 <= 10
+    done = metrics(tmp_path)[-1]
+    assert done['kind'] == 'done' and done['step'] == 8 and load_ckpt(tmp_path)['step'] == 8  # saved there
+    monkeypatch.setattr(evaluation, 'frechet_distance', lambda *args: 5.0)
+    assert run(tmp_path, *common, '--out-dir', str(tmp_path / 'other'), '--stop-at-score', '1') == 0  # never reached
+    assert json.loads((tmp_path / 'other' / 'metrics.jsonl').read_text().splitlines()[-1])['step'] == 12
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '2', '--stop-at-score', '10', '--out-dir', str(tmp_path / 'none')) == 2
+    assert 'needs evaluations with a score' in _stderr_line(capsys) and not (tmp_path / 'none').exists()
 
 
 def test_evaluations_at_image_counts_and_across_a_resume(tmp_path, monkeypatch, shapes_fid_dir):
@@ -902,12 +920,14 @@ def test_the_done_rows_wall_time_covers_every_process_of_a_resumed_run(tmp_path,
 
 
 def test_resume_applies_optimisation_changes_with_a_warning_and_refuses_others(tmp_path, capsys):
-    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--lr', '1e-3') == 0
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--lr', '1e-3', '--no-channels-last') == 0
     path = str(tmp_path / 'run' / 'ckpt.pt')
     capsys.readouterr()
     assert train.cli(['--resume', path, '--steps', '6', '--lr', '5e-4']) == 0
     err = capsys.readouterr().err
     assert "warning: --lr 0.0005 (the checkpoint's: 0.001)" in err
+    assert train.cli(['--resume', path, '--steps', '7', '--channels-last']) == 0  # the layout: not bit-exact
+    assert "warning: --channels-last True (the checkpoint's: False)" in capsys.readouterr().err
     last = [row for row in metrics(tmp_path) if row.get('kind') == 'train'][-1]
     assert load_ckpt(tmp_path)['config']['lr'] == 5e-4 and last['lr'] == pytest.approx(5e-4 * last['step'] / 50)
     for flag, value in (('--seed', '4'), ('--batch-size', '4'), ('--schedule', 'cosine')):
@@ -1018,7 +1038,8 @@ def test_evaluation_measures_the_ema_on_held_out_images():
     assert (row['step'], row['images_seen'], row['train_hours'], row['bpd_images']) == (5, 40, 0.25, 6)
 
     def bits(net):
-        generator = torch.Generator().manual_seed(evaluation.evaluation_seed(2, 5, 0))  # the evaluation's stream at step 5
+        # the evaluation's stream at step 5
+        generator = torch.Generator().manual_seed(evaluation.evaluation_seed(2, 5, 0))
         images = data.load_heldout('shapes', '', 16, 6)
         return evaluation.bits_per_image(net, run_.sched, images, 8, torch.device('cpu'), generator, 3)['total']
     ema = bits(run_.ema)
