@@ -286,6 +286,7 @@ def test_an_image_folder_without_images_is_refused_before_anything_is_made(tmp_p
 def test_another_ladders_runs_are_refused_and_nothing_is_deleted(tmp_path, capsys):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
     assert ttq.main(args) == 0
+    capsys.readouterr()
     before = sorted(os.listdir(tmp_path / 'runs')), sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
     for changed in (args + ['--eval-samples', '9'], ladder_args(tmp_path, '--ladder', 'prediction', '--stem', 'p')):
         code, err = refusal(capsys, ttq.main, changed)
@@ -315,6 +316,7 @@ def test_a_runs_folder_of_other_images_is_refused(tmp_path):
 def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
     assert ttq.main(args) == 0
+    capsys.readouterr()
     path = tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json'
     saved = json.loads(path.read_text())
     if damage == 'cut':
@@ -331,6 +333,7 @@ def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage):
 def test_a_damaged_ladder_json_is_one_line(tmp_path, capsys):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
     assert ttq.main(args) == 0
+    capsys.readouterr()
     (tmp_path / 'runs' / 'ladder.json').write_text('{"ladder": ')
     code, err = refusal(capsys, ttq.main, args)
     assert code == 2 and len(err.splitlines()) == 1 and 'ladder.json: damaged' in err, err
@@ -398,6 +401,8 @@ def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
     assert subprocess.run(args, capture_output=True, timeout=240).returncode == 0
     (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
+    for suffix in ('json', 'md', 'png'):  # the report of the finished part
+        (tmp_path / 'out' / f'ladder.{suffix}').unlink()
     held = tmp_path / 'runs' / 'baseline-64-seed1'
     (held / 'lock').write_text(json.dumps({'pid': os.getpid(), 'host': socket.gethostname(), 'started': 'now'}))
     result = subprocess.run(args + ['--workers', '2'], capture_output=True, text=True, timeout=240,
