@@ -856,6 +856,7 @@ def record(done: dict, cfg: LadderConfig, floor) -> dict:
         headline = {f'{name} against the baseline, to {target:.2f} (paired by seed)': paired(name)
                     for name in full if name != 'baseline'}
     arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],
+                   'images_per_run': cfg.images if full[name] else runs[name][0]['run']['images'],
                    **({'screen': done['screened'][name]} if name in done['screened'] else {})} for name in runs}
     at_easy = [score_at(r, cfg.easy_at) for r in full['baseline'].values()]  # one training length, across seeds
     machines = sorted({r.get('made', {}).get('device_name') for rs in runs.values() for r in rs} - {None})
@@ -887,16 +888,17 @@ def report(result: dict, cfg: LadderConfig):
             return '-'
         return f"{value['mean']:{spec}} [{fmt(value['low'], spec)}, {fmt(value['high'], spec)}]"
     hard, easy = f"{targets['target']:.2f}", f"{targets['easy_target']:.2f}"
-    headers = ['Arm', 'what it changes', 'seeds', 'img/s', f'minutes to {hard}', f'images to {hard}',
+    headers = ['Arm', 'what it changes', 'planned images', 'seeds', 'img/s', f'minutes to {hard}', f'images to {hard}',
                f'minutes to {easy}', 'last score', 'evaluation minutes (apart)', 'screen score']
-    rows = [[name, arm['changes'], arm.get('seeds', '-'), ms(arm.get('img_per_s'), ',.0f'),
+    rows = [[name, arm['changes'], f"{arm['images_per_run']:,}", arm.get('seeds', '-'),
+             ms(arm.get('img_per_s'), ',.0f'),
              to(arm, 'target', 'minutes', '.2f'), to(arm, 'target', 'images', ',.0f'),
              to(arm, 'easy_target', 'minutes', '.2f'), ms(arm.get('last'), '.2f'), ms(arm.get('eval_minutes'), '.2f'),
              fmt(arm.get('screen'), '.2f')] for name, arm in arms.items()]
     lever_rows = [[name, d['builds_on'], d['judged_by'], d['n'],
                    f"{'>= ' if d['lower_bound'] else ''}{ci(d, '.3g')} {d['unit']}", fmt(d['sd'], '.3g'),
                    'kept' if d['kept'] else 'left out'] for name, d in result['levers'].items()]
-    body = markdown_table(headers, rows, left=2)
+    body = markdown_table(headers, rows, left=2)  # a short (speed) run's targets are out of its reach by design
     if lever_rows:
         body += ('\n\n### Levers: paired gains (the same seeds as the arm below)\n\n' + markdown_table(
             ['Lever', 'on top of', 'judged by', 'pairs', 'mean gain [95% interval]', 'spread (sd)', 'decision'],

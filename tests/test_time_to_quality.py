@@ -28,6 +28,22 @@ def ladder_args(tmp_path, *extra):
             '--out-dir', str(tmp_path / 'out'), '--stem', 'ladder', *extra]
 
 
+@pytest.fixture(scope='module')
+def baseline_part(tmp_path_factory):
+    """A finished baseline part (2 seeds of 64 images, `--arms '+ channels-last'`): trained once, copied
+    into each test that starts from it."""
+    base = tmp_path_factory.mktemp('baseline-part')
+    assert ttq.main(ladder_args(base, '--arms', '+ channels-last', '--train', 'baseline')) == 0
+    return base
+
+
+def copy_part(part, tmp_path):
+    import shutil
+    for name in ('runs', 'out', 'data'):
+        shutil.copytree(part / name, tmp_path / name)
+    (tmp_path / 'runs' / 'lock').unlink(missing_ok=True)
+
+
 def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction')) == 0
     result = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
@@ -62,9 +78,9 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert json.loads((tmp_path / 'out' / 'ladder.json').read_text())['runs'] == result['runs']
 
 
-def test_a_half_written_run_is_trained_again_from_its_start(tmp_path, monkeypatch):
+def test_a_half_written_run_is_trained_again_from_its_start(tmp_path, monkeypatch, baseline_part):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
-    assert ttq.main(args) == 0
+    copy_part(baseline_part, tmp_path)
     kept = (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed0.json').read_text()
     (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
     half = tmp_path / 'runs' / 'baseline-64-seed1'  # killed mid-run: a checkpoint and metrics, no curve
@@ -82,7 +98,8 @@ def test_a_half_written_run_is_trained_again_from_its_start(tmp_path, monkeypatc
     assert "part 'speed'" in json.loads((tmp_path / 'out' / 'ladder.json').read_text())['unfinished']
 
 
-def test_a_part_stops_where_the_ladder_needs_a_run_it_does_not_train(tmp_path, capsys):
+def test_a_part_stops_where_the_ladder_needs_a_run_it_does_not_train(tmp_path, capsys, baseline_part):
+    copy_part(baseline_part, tmp_path)
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')) == 0
     out = capsys.readouterr().out
     assert "part 'speed'" in out and '--train speed' in out
@@ -283,10 +300,9 @@ def test_an_image_folder_without_images_is_refused_before_anything_is_made(tmp_p
     assert not (tmp_path / 'runs').exists() and not (tmp_path / 'out').exists()
 
 
-def test_another_ladders_runs_are_refused_and_nothing_is_deleted(tmp_path, capsys):
+def test_another_ladders_runs_are_refused_and_nothing_is_deleted(tmp_path, capsys, baseline_part):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
-    assert ttq.main(args) == 0
-    capsys.readouterr()
+    copy_part(baseline_part, tmp_path)
     before = sorted(os.listdir(tmp_path / 'runs')), sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
     for changed in (args + ['--eval-samples', '9'], ladder_args(tmp_path, '--ladder', 'prediction', '--stem', 'p')):
         code, err = refusal(capsys, ttq.main, changed)
@@ -313,10 +329,9 @@ def test_a_runs_folder_of_other_images_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize('damage', ['cut', 'no run key', 'empty curve'])
-def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage):
+def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage, baseline_part):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
-    assert ttq.main(args) == 0
-    capsys.readouterr()
+    copy_part(baseline_part, tmp_path)
     path = tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json'
     saved = json.loads(path.read_text())
     if damage == 'cut':
@@ -330,10 +345,9 @@ def test_a_damaged_curve_file_is_one_line_naming_it(tmp_path, capsys, damage):
     assert ttq.main(args) == 0 and json.loads(path.read_text())['curve']
 
 
-def test_a_damaged_ladder_json_is_one_line(tmp_path, capsys):
+def test_a_damaged_ladder_json_is_one_line(tmp_path, capsys, baseline_part):
     args = ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
-    assert ttq.main(args) == 0
-    capsys.readouterr()
+    copy_part(baseline_part, tmp_path)
     (tmp_path / 'runs' / 'ladder.json').write_text('{"ladder": ')
     code, err = refusal(capsys, ttq.main, args)
     assert code == 2 and len(err.splitlines()) == 1 and 'ladder.json: damaged' in err, err
@@ -395,11 +409,11 @@ def _script(root, tmp_path, *extra):
     return [sys.executable, os.path.join(root, 'scripts', 'time_to_quality.py'), *ladder_args(tmp_path), *extra]
 
 
-def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root):
+def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root, baseline_part):
     # A run's folder is still written by a live process (here: this test's): the worker refuses to delete or
     # share it, and its failure ends the ladder: one line naming the run, exit 1, no hang, no report.
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
-    assert subprocess.run(args, capture_output=True, timeout=240).returncode == 0
+    copy_part(baseline_part, tmp_path)
     (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
     for suffix in ('json', 'md', 'png'):  # the report of the finished part
         (tmp_path / 'out' / f'ladder.{suffix}').unlink()
@@ -453,11 +467,11 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason='reads children from /proc (Linux)')
 def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--workers', '2', '--train', 'baseline', '--images',
-                   '6400', '--speed-images', '6400', '--screen-images', '6400', '--eval-every', '3200',
-                   '--easy-at', '3200')
+                   '3200', '--speed-images', '3200', '--screen-images', '3200', '--eval-every', '1600',
+                   '--easy-at', '1600')
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    started = [tmp_path / 'runs' / f'baseline-6400-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
+    started = [tmp_path / 'runs' / f'baseline-3200-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
     deadline = time.time() + 180
     while not all(m.exists() and '"kind": "train"' in m.read_text() for m in started) and time.time() < deadline:
         time.sleep(0.2)
@@ -472,7 +486,7 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     for seed in (0, 1):
-        rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-6400-seed{seed}' / 'metrics.jsonl').open()]
+        rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-3200-seed{seed}' / 'metrics.jsonl').open()]
         assert sum(r.get('kind') == 'done' for r in rows) == 1
-        curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-6400-seed{seed}.json').read_text())['curve']
-        assert [p['images'] for p in curve] == [3200, 6400]
+        curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-3200-seed{seed}.json').read_text())['curve']
+        assert [p['images'] for p in curve] == [1600, 3200]

@@ -77,11 +77,11 @@ def test_ema_samples_and_evaluates_without_dropout(tmp_path):
 def test_learning_rate_warmup_closed_form():
     cfg = train.TrainConfig(lr=2e-4, warmup=5000)
     # The k-th optimizer update (k = step + 1) uses lr * min(1, k / warmup).
-    assert train.lr_at(0, cfg) == pytest.approx(2e-4 / 5000)
-    assert train.lr_at(2499, cfg) == pytest.approx(1e-4)
-    assert train.lr_at(4999, cfg) == pytest.approx(2e-4)
-    assert train.lr_at(123_456, cfg) == pytest.approx(2e-4)
-    assert train.lr_at(7, train.TrainConfig(lr=3e-4, warmup=0)) == 3e-4
+    assert train.lr_at(0, cfg, 800_000) == pytest.approx(2e-4 / 5000)
+    assert train.lr_at(2499, cfg, 800_000) == pytest.approx(1e-4)
+    assert train.lr_at(4999, cfg, 800_000) == pytest.approx(2e-4)
+    assert train.lr_at(123_456, cfg, 800_000) == pytest.approx(2e-4)
+    assert train.lr_at(7, train.TrainConfig(lr=3e-4, warmup=0), 800_000) == 3e-4
 
 
 def test_ema_decay_closed_form():
