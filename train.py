@@ -347,7 +347,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     On SIGTERM or Ctrl-C the step finishes and the checkpoint is saved at once: no evaluation
     (the resumed run owes it), no grid."""
     cfg, per_epoch = run.cfg, run.loader.batches_per_epoch
-    total_steps = cfg.steps or cfg.epochs * per_epoch
+    total_steps = run.total_steps
     ckpt_path = os.path.join(cfg.out_dir, 'ckpt.pt')
     last_good = f'{cfg.resume} (step {step}, resumed from)' if cfg.resume else None
     loss_sum, unlogged, stopped, row = torch.zeros((), device=run.device), 0, None, {}
@@ -679,8 +679,7 @@ def start_logging(run: Run, step: int, train_seconds: float, wall_seconds: float
     def make():  # the progress bar last: an error before it is one clean line
         heldout = evaluation.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
         evaluator = evaluation.Evaluator(run) if cfg.eval_every else None
-        total_steps = cfg.steps or cfg.epochs * run.loader.batches_per_epoch
-        return metrics.Metrics(run, step, total_steps, train_seconds, wall_seconds), heldout, evaluator
+        return metrics.Metrics(run, step, run.total_steps, train_seconds, wall_seconds), heldout, evaluator
     with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
         log, heldout, evaluator = on_all_ranks(make, run.control_group)
     if evaluator is not None and evaluator.fid_left_out:
