@@ -32,12 +32,12 @@ RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_s
 CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp', 'loss_weight', 'snr_gamma',
                         'channels_last',  # the layout: another order of the noise's draws and of the sums
                         't_sampling', 't_mean', 't_scale', 't_reweight', 'input_perturbation', 'lr_decay',
-                        'adam_beta2', 'ema_length')
+                        'adam_beta2', 'ema_length', 'immiscible')
 # What a checkpoint written before a setting existed trained with.
 SETTINGS_BEFORE_THEY_EXISTED = {'prediction': 'eps', 'loss_weight': 'uniform', 'snr_gamma': None,
                                 't_sampling': 'uniform', 't_mean': None, 't_scale': None, 't_reweight': False,
                                 'input_perturbation': 0.0, 'lr_decay': 'none', 'adam_beta2': 0.999,
-                                'ema_length': 0.0}
+                                'ema_length': 0.0, 'immiscible': False}
 RESOLVED_PER_DEVICE = ('amp', 'compile', 'channels_last', 'fused_adam', 'loader')
 
 

@@ -176,6 +176,18 @@ def timestep_probabilities(sched: Schedule, kind: str = 'uniform', mean: float =
     return mass / mass.sum()
 
 
+def immiscible_noise(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Immiscible diffusion's noise assignment (Li et al. 2024, arXiv 2406.12303): the batch's noise
+    draws handed out to its images so that the summed L2 distance sum_i ||x0_i - noise_pi(i)|| is the
+    smallest over all permutations pi (a linear assignment; scipy's linear_sum_assignment). Every
+    image still gets one draw of N(0, I) and the set of draws is unchanged: only which image gets
+    which. Solved on the host: one synchronisation per step on a GPU."""
+    from scipy.optimize import linear_sum_assignment
+    cost = torch.cdist(x0.flatten(1).double(), noise.flatten(1).double())  # (B, B)
+    _, pick = linear_sum_assignment(cost.cpu().numpy())
+    return noise[torch.as_tensor(pick, device=noise.device)]
+
+
 def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, per_example=False,
                   prediction: str = 'eps', loss_weight: str = 'uniform', snr_gamma: float = 5.0,
                   t_probs: torch.Tensor = None, t_reweight: bool = False,

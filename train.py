@@ -88,6 +88,9 @@ class TrainConfig:
                                     'steps)', at_least=0, below=1)
     ema_length: float = flag(0.0, 'the EMA\'s half-life as a share of the images seen (Karras et al. 2022: 0.05), '
                                   'capped by --ema-decay; 0: the paper\'s ramp (1+step)/(10+step)', at_least=0, below=1)
+    immiscible: bool = flag(False, 'immiscible diffusion (Li et al. 2024): each image of a batch gets the nearest of '
+                                   'the batch\'s noise draws, by a linear assignment over L2 distances (scipy, on the '
+                                   'host: one sync a step on a GPU)')
     attention: str = flag('sdpa', 'attention: F.scaled_dot_product_attention, or matmul-softmax-matmul',
                           choices=('sdpa', 'manual'))
     compile: bool | None = flag(None, 'torch.compile the whole training loss as one graph: timesteps, noise, '
@@ -299,17 +302,21 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
     t_probs = None if cfg.t_sampling == 'uniform' else diffusion.timestep_probabilities(
         sched, cfg.t_sampling, cfg.t_mean, cfg.t_scale).to(device)
 
-    def loss_of(x0):
+    def loss_of(x0, noise=None):
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         with autocast(cfg.amp, device):
-            return diffusion.training_loss(net, sched, x0, prediction=cfg.prediction, loss_weight=cfg.loss_weight,
-                                           snr_gamma=cfg.snr_gamma or 5.0, t_probs=t_probs,
-                                           t_reweight=cfg.t_reweight, input_perturbation=cfg.input_perturbation)
-    if not cfg.compile:
+            return diffusion.training_loss(net, sched, x0, noise=noise, prediction=cfg.prediction,
+                                           loss_weight=cfg.loss_weight, snr_gamma=cfg.snr_gamma or 5.0,
+                                           t_probs=t_probs, t_reweight=cfg.t_reweight,
+                                           input_perturbation=cfg.input_perturbation)
+    if cfg.compile:
+        mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
+        loss_of = torch.compile(loss_of, **{'fullgraph': True, 'mode': mode, **compile_options})
+    if not cfg.immiscible:
         return loss_of
-    mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
-    return torch.compile(loss_of, **{'fullgraph': True, 'mode': mode, **compile_options})
+    # scipy's assignment cannot enter a graph: the noise is drawn and assigned before it, then passed in
+    return lambda x0: loss_of(x0, diffusion.immiscible_noise(x0, torch.randn_like(x0)))
 
 
 def train_step(run: Run, x0: torch.Tensor, step: int) -> torch.Tensor:

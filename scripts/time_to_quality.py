@@ -74,6 +74,10 @@ class LadderConfig:
     lever_seeds: int = flag(3, 'seeds of each lever, the same seeds as the arm below it (paired)', at_least=2)
     images: int = flag(400_000, 'planned training images of a run (its lr schedule\'s length); it ends at its first '
                                 'evaluation at or below --target', at_least=1)
+    decay_images: int | None = flag(None, 'planned images of the runs whose lr decays to their end: the lr-decay '
+                                             'lever\'s, and once it is kept the arms above it and the diffusers '
+                                             'recipe\'s final seeds (default: half of --images, 200,000: about the '
+                                             'demo\'s plan, what a user would plan for this target)', at_least=1)
     speed_images: int = flag(25_000, 'training images of each run of the speed levers and of the arm below them '
                                      '(judged by img/s alone)', at_least=1)
     screen_images: int = flag(100_000, 'training images of each diffusers variant\'s screen (one seed; judged by '
@@ -115,6 +119,7 @@ class Lever:
     changes: str
     flags: list
     judged_by: str  # 'speed': img/s at --speed-images; 'time': minutes to --target
+    images: int | None = None  # the planned images of its runs and, once kept, of the arms above it (None: unchanged)
 
 
 BASELINE = ['--amp', 'off', '--no-compile', '--no-channels-last', '--no-fused-adam']  # fp32 eager, as the paper's
@@ -127,7 +132,8 @@ def ours(cfg: LadderConfig) -> train.TrainConfig:
 
 def speed_levers(device, cfg: LadderConfig) -> list:
     """The levers in the order of the speed-up table: how fast a step runs, then how many images the
-    samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2))."""
+    samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2); the ones
+    after it are the literature's, docs/training.md#levers-of-the-images-needed)."""
     batch, lr = doubled_batch(cfg)
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
@@ -139,7 +145,24 @@ def speed_levers(device, cfg: LadderConfig) -> list:
         Lever('+ v-prediction', 'the network predicts v (Salimans & Ho, 2022)', ['--prediction', 'v'], 'time'),
         Lever('+ Min-SNR-5', 'loss weights min(SNR, 5) (Hang et al., 2023)', ['--loss-weight', 'min-snr'], 'time'),
         Lever(f'+ batch {batch}', f"twice the {cfg.preset} preset's batch, the learning rate x sqrt(2) ({lr})",
-              ['--batch-size', str(batch), '--lr', lr], 'time')])
+              ['--batch-size', str(batch), '--lr', lr], 'time'),
+        Lever('+ cosine lr decay', f'the lr decays with a cosine to 0 at the planned end, {decay_plan(cfg):,} images '
+              "(diffusers' recipe; Loshchilov & Hutter, 2017)", ['--lr-decay', 'cosine'], 'time', decay_plan(cfg)),
+        Lever('+ log-normal t', "t drawn so that ln sigma ~ N(-1.2, 1.2^2) (EDM, Karras et al., 2022)",
+              ['--t-sampling', 'lognormal'], 'time'),
+        Lever('+ Laplace t', 't drawn so that the log-SNR ~ Laplace(0, 0.5) (Hang et al., 2024); replaces a kept '
+              'log-normal t', ['--t-sampling', 'laplace'], 'time'),
+        Lever('+ input perturbation', "the network's input made with eps + 0.1 xi, its target eps (DDPM-IP, Ning et "
+              'al., 2023)', ['--input-perturbation', '0.1'], 'time'),
+        Lever('+ Adam beta2 0.99', "Adam's beta2 0.99 (the paper's: 0.999)", ['--adam-beta2', '0.99'], 'time'),
+        Lever('+ EMA half-life 5%', "the EMA's half-life 5% of the images seen (EDM)", ['--ema-length', '0.05'],
+              'time'),
+        Lever('+ immiscible noise', "each image paired with the nearest of its batch's noise draws (Li et al., 2024)",
+              ['--immiscible'], 'time')])
+
+
+def decay_plan(cfg: LadderConfig) -> int:
+    return cfg.decay_images or max(1, cfg.images // 2)
 
 
 def chosen(cfg: LadderConfig, items: list) -> list:
@@ -561,15 +584,16 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> d
     if base is None:
         return None
     done = {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None, 'missing': None,
+            'planned': {},  # the headline arms' planned images where they are not --images
             'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
     try:
-        # The levers, each on the levers kept so far.
-        stack, below = list(BASELINE), BASELINE_ARM
+        # The levers, each on the levers kept so far; `planned` is the kept arms' planned length.
+        stack, below, planned = list(BASELINE), BASELINE_ARM, cfg.images
         for lever in speed_levers(device, cfg):
             arm = Arm(lever.name, lever.changes, stack + lever.flags)
-            part, images = ('speed', cfg.speed_images) if lever.judged_by == 'speed' else ('quality', cfg.images)
+            part, images = ('speed', cfg.speed_images) if lever.judged_by == 'speed' else ('quality', planned)
             theirs = ladder.get(part, below, lever_seeds, images, target)
-            mine = theirs and ladder.get(part, arm, lever_seeds, images, target)
+            mine = theirs and ladder.get(part, arm, lever_seeds, lever.images or images, target)
             if mine is None:
                 return None
             decision = done['decisions'][arm.name] = {'builds_on': below.name, 'judged_by': lever.judged_by,
@@ -577,11 +601,11 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> d
             print(f"{arm.name}: {'kept' if decision['kept'] else 'left out'} for the arms below (on top of "
                   f"{below.name})", flush=True)
             if decision['kept']:
-                stack, below = arm.flags, arm
+                stack, below, planned = arm.flags, arm, lever.images or planned
         # The headline arm: every kept lever, at --seeds seeds and the full budget.
-        if ladder.get('fastest', below, seeds, cfg.images, target) is None:
+        if ladder.get('fastest', below, seeds, planned, target) is None:
             return None
-        done['fastest'] = below.name
+        done['fastest'], done['planned'][below.name] = below.name, planned
         # The peer: the grid screened on one seed, the best variant at --seeds seeds.
         for arm in recipe_variants(cfg):  # the screen runs its whole budget: it is judged by its end
             got = ladder.get('peer', arm, [0], cfg.screen_images, None)
@@ -589,9 +613,9 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> d
                 return None
             done['screened'][arm.name] = screen_score(got[0])
         best = min(recipe_variants(cfg), key=lambda a: done['screened'][a.name])
-        if ladder.get('peer', best, seeds, cfg.images, target) is None:
+        if ladder.get('peer', best, seeds, planned, target) is None:  # its cosine: the plan of our fastest arm
             return None
-        done['best_peer'] = best.name
+        done['best_peer'], done['planned'][best.name] = best.name, planned
     except Missing as missing:
         done['missing'] = str(missing)
     return done
@@ -604,6 +628,7 @@ def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dic
     if base is None:
         return None
     done = {'ladder': ladder, 'decisions': {}, 'screened': {}, 'best_peer': None, 'fastest': None, 'missing': None,
+            'planned': {},  # the headline arms' planned images where they are not --images
             'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
     try:
         for arm in chosen(cfg, prediction_arms()[1:]):
@@ -717,13 +742,14 @@ def check_arms(cfg: LadderConfig):
     device = pick_device(cfg.device)
     levers = speed_levers(device, cfg) if cfg.ladder == 'speed' else []
     budgets = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), cfg.speed_images if
-                                               lv.judged_by == 'speed' else cfg.images) for lv in levers]
+                                               lv.judged_by == 'speed' else lv.images or cfg.images) for lv in levers]
     if cfg.ladder == 'prediction':
         budgets = [(arm, cfg.images) for arm in chosen(cfg, prediction_arms())]
     else:
         if reason := diffusers_missing_reason():
             raise ConfigError(f'the diffusers recipe arms: {reason}')
-        budgets += [(arm, images) for arm in recipe_variants(cfg) for images in (cfg.screen_images, cfg.images)]
+        budgets += [(arm, images) for arm in recipe_variants(cfg)
+                    for images in (cfg.screen_images, cfg.images, decay_plan(cfg))]
     speed_batch = max(train.check_flags(base_flags(cfg) + BASELINE + lv.flags).batch_size for lv in levers
                       if lv.judged_by == 'speed') if any(lv.judged_by == 'speed' for lv in levers) else 1
     if math.ceil(cfg.speed_images / speed_batch) < 2:
@@ -833,8 +859,9 @@ def record(done: dict, cfg: LadderConfig, floor) -> dict:
     and against the best diffusers variant; in the prediction ladder each arm against the baseline)."""
     ladder, targets, target = done['ladder'], done['targets'], done['targets']['target']
     runs = {name: [got[j] for j in sorted(got, key=lambda j: (j.images, j.seed))] for name, got in ladder.runs.items()}
-    full = {name: {r['run']['seed']: r for r in rs if r['run']['images'] == cfg.images and r['run']['seed'] < cfg.seeds}
-            for name, rs in runs.items()}
+    planned = {name: done['planned'].get(name, cfg.images) for name in runs}
+    full = {name: {r['run']['seed']: r for r in rs if r['run']['images'] == planned[name]
+                   and r['run']['seed'] < cfg.seeds} for name, rs in runs.items()}
     summary = summarise({n: list(full[n].values()) or rs for n, rs in runs.items()}, targets)  # speed arms: short
 
     def paired(name, against='baseline', to=target):
@@ -856,7 +883,7 @@ def record(done: dict, cfg: LadderConfig, floor) -> dict:
         headline = {f'{name} against the baseline, to {target:.2f} (paired by seed)': paired(name)
                     for name in full if name != 'baseline'}
     arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],
-                   'images_per_run': cfg.images if full[name] else runs[name][0]['run']['images'],
+                   'images_per_run': planned[name] if full[name] else runs[name][0]['run']['images'],
                    **({'screen': done['screened'][name]} if name in done['screened'] else {})} for name in runs}
     at_easy = [score_at(r, cfg.easy_at) for r in full['baseline'].values()]  # one training length, across seeds
     machines = sorted({r.get('made', {}).get('device_name') for rs in runs.values() for r in rs} - {None})
@@ -921,9 +948,10 @@ def report(result: dict, cfg: LadderConfig):
     notes = (f"; {cfg.preset} preset, {cfg.dataset} {cfg.image_size}x{cfg.image_size}; {score} of {cfg.eval_samples} "
              f"EMA samples ({cfg.sampler}, {cfg.sample_steps} calls, fresh noise at every evaluation) every "
              f"{cfg.eval_every:,} images" + (f"; floor {result['floor']:.2f}" if result['floor'] else '') +
-             f". Runs plan {cfg.images:,} images (the recipe's cosine decays to there) and end at their first score "
-             f"at or below {hard}. Targets: {hard}, and {easy}, the baseline's worst seed's score at "
-             f"{cfg.easy_at:,} images. Mean +- sd over seeds; " + ladder_rule +
+             f". Runs plan {cfg.images:,} images, those whose lr decays {decay_plan(cfg):,} ('planned images'; "
+             f"the recipe's cosine decays to its run's plan), and end at their first score at or below {hard}. "
+             f"Targets: {hard}, and {easy}, the baseline's worst seed's score at {cfg.easy_at:,} images. Mean +- sd "
+             f"over seeds; " + ladder_rule +
              "training minutes count the first (compiling) step, not the evaluations; a target not reached by every "
              "seed is 'not reached', never extrapolated; '>' marks a ratio to runs that did not all reach it (their "
              "whole training time)")
@@ -950,7 +978,7 @@ def ratio_text(value) -> str:
 def plot(result: dict, cfg: LadderConfig, png: str, score: str):
     fig, ax = pyplot().subplots(figsize=(9, 5.5))
     for name, colour in zip(result['arms'], pyplot().cm.tab10.colors * 3):
-        curves = [r for r in result['runs'][name] if r['run']['images'] == cfg.images]
+        curves = [r for r in result['runs'][name] if r['run']['images'] == result['arms'][name]['images_per_run']]
         if not curves:
             continue
         points = min(len(c['curve']) for c in curves)

@@ -2,7 +2,8 @@
 (their tables against scipy's CDFs, draws against the table, the reweighted objective equal to
 L_simple exactly), input perturbation (the network's input variance, the target unchanged), the
 learning-rate decay (values written out), the EMA length (the weight of every past step), Adam's
-beta2, exact resume with every lever on, and their bad input."""
+beta2, immiscible noise assignment (against every permutation), exact resume with every lever on,
+and their bad input."""
 import math
 
 import numpy as np
@@ -109,6 +110,35 @@ def test_input_perturbation_widens_the_input_and_keeps_the_target(sched):
     assert torch.equal(off, diffusion.training_loss(Recorder(), sched, x0 + 1, t, noise))  # 0: the paper's
 
 
+def test_immiscible_assignment_is_the_cheapest_permutation():
+    # Against every one of the 720 permutations of 6 draws: the summed L2 distance of the assignment
+    # is the least, and the draws are the same set (the noise's law is unchanged).
+    import itertools
+    g = torch.Generator().manual_seed(4)
+    x0, noise = torch.rand(6, 1, 3, 3, generator=g) * 2 - 1, torch.randn(6, 1, 3, 3, generator=g)
+    got = diffusion.immiscible_noise(x0, noise)
+    cost = torch.cdist(x0.flatten(1).double(), noise.flatten(1).double())
+    best = min(sum(cost[i, p[i]].item() for i in range(6)) for p in itertools.permutations(range(6)))
+    assert (x0.double() - got.double()).flatten(1).norm(dim=1).sum().item() == pytest.approx(best, rel=1e-12)
+    assert (x0.double() - noise.double()).flatten(1).norm(dim=1).sum().item() > best  # this draw's own order is not it
+    assert sorted(map(tuple, got.flatten(1).tolist())) == sorted(map(tuple, noise.flatten(1).tolist()))
+
+
+def test_immiscible_training_loss_is_l_simple_on_the_assigned_noise(sched):
+    net, x0 = Recorder(), torch.rand(8, 1, 4, 4, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    config = train.TrainConfig(amp='off', compile=False, channels_last=False, immiscible=True)
+    torch.manual_seed(6)
+    got = train.make_loss(config, net, sched, torch.device('cpu'))(x0)
+    torch.manual_seed(6)
+    noise = diffusion.immiscible_noise(x0, torch.randn_like(x0))
+    assert torch.equal(got, diffusion.training_loss(Recorder(), sched, x0, noise=noise))
+    torch.manual_seed(6)
+    plain = train.make_loss(train.TrainConfig(amp='off', compile=False, channels_last=False), net, sched,
+                            torch.device('cpu'))(x0)
+    torch.manual_seed(6)
+    assert torch.equal(plain, diffusion.training_loss(Recorder(), sched, x0))  # off: the paper's draw, unchanged
+
+
 def cfg(**kw):
     return train.TrainConfig(**{'lr': 1.0, 'warmup': 10, **kw})
 
@@ -147,7 +177,8 @@ def run(tmp_path, *extra):
 
 
 LEVERS = ['--t-sampling', 'laplace', '--t-reweight', '--input-perturbation', '0.1', '--lr-decay', 'cosine',
-          '--adam-beta2', '0.99', '--ema-length', '0.05', '--warmup', '2', '--dropout', '0.1', '--ckpt-every', '0']
+          '--adam-beta2', '0.99', '--ema-length', '0.05', '--immiscible', '--warmup', '2', '--dropout', '0.1',
+          '--ckpt-every', '0']
 
 
 def test_resume_is_exact_with_every_lever_on(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 reach, the keep rule and the intervals on hand-made runs, the fair peer's data, reuse and its refusals
 (damaged files, another ladder's runs), stops at any moment, workers that die with the ladder, and bad
 input refused before any run."""
+import dataclasses
 import json
 import math
 import os
@@ -198,6 +199,32 @@ def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_targ
     assert ('diffusers recipe', ['--batch-size', '16', '--lr', '1e-4'], 200, 0, None) in seen  # the screen: no stop
     assert done['fastest'] == '+ Min-SNR-5' and done['best_peer'] == 'diffusers recipe'
     assert done['targets']['easy_target'] == 20.0
+
+
+def test_a_kept_lr_decay_plans_its_own_length_for_the_arms_above_and_the_peer(monkeypatch, tmp_path):
+    # The decay lever's runs plan --decay-images against the arm below at --images; once kept, the arms
+    # above it, the headline arm and the peer's final seeds plan the same length (its cosine too).
+    def curve(at10):
+        return {'curve': [{'images': 100, 'score': 40.0, 'minutes': 1.0, 'eval_seconds': 1.0},
+                          {'images': 200, 'score': 10.0, 'minutes': at10, 'eval_seconds': 1.0}],
+                'img_per_s': 100.0, 'train_minutes': at10}
+    made = {'baseline': lambda s: curve(6 + 0.1 * s), '+ cosine lr decay': lambda s: curve(4 + 0.1 * s),
+            '+ Adam beta2 0.99': lambda s: curve(4 + 0.2 * s), 'diffusers recipe': lambda s: curve(9)}
+    seen = []
+
+    def fake(jobs, cfg, identity, stop):
+        seen.extend((job.arm.name, job.images, job.seed) for job in jobs)
+        return [{'run': job.identity(), **made[job.arm.name](job.seed)} for job in jobs]
+    monkeypatch.setattr(ttq, 'run_all', fake)
+    cfg = ttq.LadderConfig(arms='+ cosine lr decay,+ Adam beta2 0.99', seeds=4, lever_seeds=3, images=400,
+                           decay_images=250, screen_images=200, easy_at=200, out_dir=str(tmp_path))
+    assert ttq.decay_plan(dataclasses.replace(cfg, decay_images=None)) == 200  # the default: half of --images
+    done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {})
+    assert done['decisions']['+ cosine lr decay']['kept'] and done['fastest'] == '+ cosine lr decay'
+    assert {(n, i) for n, i, _ in seen} == {('baseline', 400), ('+ cosine lr decay', 250), ('+ Adam beta2 0.99', 250),
+                                           ('diffusers recipe', 200), ('diffusers recipe', 250)}
+    assert ('+ cosine lr decay', 250, 3) in seen and ('diffusers recipe', 250, 3) in seen  # the headline's seeds
+    assert done['planned'] == {'+ cosine lr decay': 250, 'diffusers recipe': 250}
 
 
 def test_the_intervals_on_hand_made_numbers():
