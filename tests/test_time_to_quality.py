@@ -17,6 +17,7 @@ import pytest
 import torch
 from helpers import refusal
 
+import ladder_stats as stats
 import time_to_quality as ttq
 import train
 
@@ -115,11 +116,11 @@ def test_reach_interpolates_and_never_extrapolates():
     curve = [{'images': 100, 'score': 40.0, 'minutes': 1.0}, {'images': 200, 'score': 10.0, 'minutes': 3.0},
              {'images': 400, 'score': 5.0, 'minutes': 7.0}]
     # 20 lies half-way between 40 and 10 in log score: half-way in log images, the minutes linear in images.
-    images, minutes = ttq.reach(curve, 20.0)
+    images, minutes = stats.reach(curve, 20.0)
     assert images == pytest.approx(100 * 2 ** 0.5) and minutes == pytest.approx(1 + 2 * (2 ** 0.5 - 1))
-    assert ttq.reach(curve, 50.0) == (100, 1.0)  # there at the first evaluation: its own time, not earlier
-    assert ttq.reach(curve, 10.0) == pytest.approx((200, 3.0))
-    assert ttq.reach(curve, 4.0) is None  # below the last score: not reached, never extrapolated
+    assert stats.reach(curve, 50.0) == (100, 1.0)  # there at the first evaluation: its own time, not earlier
+    assert stats.reach(curve, 10.0) == pytest.approx((200, 3.0))
+    assert stats.reach(curve, 4.0) is None  # below the last score: not reached, never extrapolated
 
 
 def run(minutes_to_10, img_per_s=100.0, reached=True):
@@ -135,17 +136,17 @@ TIME, SPEED = ttq.Lever('t', '', [], 'time'), ttq.Lever('s', '', [], 'speed')
 
 def test_the_keep_rule_keeps_a_gain_beyond_the_pairs_spread_only():
     below = [run(10), run(12), run(9)]
-    kept = ttq.paired_gain(TIME, [run(9), run(10.8), run(8.1)], below, 10.0)  # saves 1, 1.2, 0.9 minutes
+    kept = stats.paired_gain(TIME, [run(9), run(10.8), run(8.1)], below, 10.0)  # saves 1, 1.2, 0.9 minutes
     assert kept['gains'] == pytest.approx([1.0, 1.2, 0.9]) and kept['kept']
-    noisy = ttq.paired_gain(TIME, [run(9.5), run(12.4), run(8.7)], below, 10.0)  # 0.5, -0.4, 0.3: inside
+    noisy = stats.paired_gain(TIME, [run(9.5), run(12.4), run(8.7)], below, 10.0)  # 0.5, -0.4, 0.3: inside
     assert noisy['gains'] == pytest.approx([0.5, -0.4, 0.3]) and noisy['mean'] == pytest.approx((0.5 - 0.4 + 0.3) / 3)
     assert noisy['sd'] == pytest.approx(statistics.stdev([0.5, -0.4, 0.3])) and not noisy['kept']
     # A lever seed that never reaches the target loses, however much the others save.
-    assert not ttq.paired_gain(TIME, [run(1), run(1), run(5, reached=False)], below, 10.0)['kept']
+    assert not stats.paired_gain(TIME, [run(1), run(1), run(5, reached=False)], below, 10.0)['kept']
     # Speed levers: img/s gained, seed by seed.
-    fast = ttq.paired_gain(SPEED, [run(1, 130), run(1, 133), run(1, 128)], [run(1, 100), run(1, 101), run(1, 99)], 10)
+    fast = stats.paired_gain(SPEED, [run(1, 130), run(1, 133), run(1, 128)], [run(1, 100), run(1, 101), run(1, 99)], 10)
     assert fast['gains'] == [30, 32, 29] and fast['unit'] == 'img/s' and fast['kept']
-    assert not ttq.paired_gain(SPEED, [run(1, 105), run(1, 91), run(1, 108)],
+    assert not stats.paired_gain(SPEED, [run(1, 105), run(1, 91), run(1, 108)],
                                [run(1, 100), run(1, 101), run(1, 99)], 10)['kept']
 
 
@@ -156,10 +157,10 @@ def test_a_speed_lever_is_judged_over_the_planned_run_with_its_compiling_once():
         seconds = first + (25_000 - 32) / steady
         return {'curve': [], 'img_per_s': 25_000 / seconds, 'steady_img_per_s': steady, 'first_step_s': first,
                 'batch': 32, 'train_minutes': seconds / 60}
-    assert ttq.planned_img_per_s(screen(30.0, 600.0), 400_000) == pytest.approx(400_000 / (30 + 399_968 / 600))
+    assert stats.planned_img_per_s(screen(30.0, 600.0), 400_000) == pytest.approx(400_000 / (30 + 399_968 / 600))
     lever, below = [screen(30.0, 600.0 + s) for s in range(3)], [screen(0.1, 500.0 + s) for s in range(3)]
     assert lever[0]['img_per_s'] < below[0]['img_per_s']
-    gain = ttq.paired_gain(SPEED, lever, below, 10.0, planned=400_000)
+    gain = stats.paired_gain(SPEED, lever, below, 10.0, planned=400_000)
     gains = [400_000 / (30 + 399_968 / (600 + s)) - 400_000 / (0.1 + 399_968 / (500 + s)) for s in range(3)]
     assert gain['kept'] and gain['gains'] == pytest.approx(gains) and gain['mean'] == pytest.approx(sum(gains) / 3)
 
@@ -232,13 +233,13 @@ def test_the_intervals_on_hand_made_numbers():
     values = [1.0, 2.0, 4.0, 3.5, 2.5]
     mean = sum(values) / 5
     sd = math.sqrt(sum((v - mean) ** 2 for v in values) / 4)
-    got = ttq.interval(values)
+    got = stats.interval(values)
     assert got['mean'] == pytest.approx(2.6) and got['sd'] == pytest.approx(sd)
     assert (got['low'], got['high']) == pytest.approx((mean - 2.776445105 * sd / math.sqrt(5),
                                                        mean + 2.776445105 * sd / math.sqrt(5)))
     # The headline ratio, paired: the geometric mean of base/fast seed by seed, the interval on log ratios.
     base, fast = [10, 12, 9, 11, 10], [4, 5, 4, 4, 5]
-    ratio = ttq.paired_ratio([run(m) for m in base], [run(m) for m in fast], 10.0)
+    ratio = stats.paired_ratio([run(m) for m in base], [run(m) for m in fast], 10.0)
     logs = [math.log(b / f) for b, f in zip(base, fast)]
     centre = sum(logs) / 5
     half = 2.776445105 * math.sqrt(sum((x - centre) ** 2 for x in logs) / 4) / math.sqrt(5)
@@ -246,14 +247,14 @@ def test_the_intervals_on_hand_made_numbers():
     assert (ratio['low'], ratio['high']) == pytest.approx((math.exp(centre - half), math.exp(centre + half)))
     # The peer, unpaired: equal variances and counts give Welch's 2(n-1) = 8 degrees of freedom (t 2.306004135).
     peer, ours = [20, 24, 22, 26, 18], [10, 12, 11, 13, 9]  # the same spread in log: ours = peer / 2
-    got = ttq.unpaired_ratio([run(m) for m in peer], [run(m) for m in ours], 10.0)
+    got = stats.unpaired_ratio([run(m) for m in peer], [run(m) for m in ours], 10.0)
     var = statistics.variance([math.log(m) for m in peer]) / 5
     assert got['ratio'] == pytest.approx(2.0)
     assert got['low'] == pytest.approx(2.0 * math.exp(-2.306004135 * math.sqrt(2 * var)), rel=1e-6)
     # A peer run that never reached the target: its whole training is counted, and the ratio is a bound.
-    assert ttq.unpaired_ratio([run(30, reached=False)] + [run(m) for m in peer[1:]], [run(m) for m in ours],
+    assert stats.unpaired_ratio([run(30, reached=False)] + [run(m) for m in peer[1:]], [run(m) for m in ours],
                               10.0)['bound']
-    assert ttq.paired_ratio([run(m) for m in base], [run(4, reached=False)] + [run(m) for m in fast[1:]], 10.) is None
+    assert stats.paired_ratio([run(m) for m in base], [run(4, reached=False)] + [run(m) for m in fast[1:]], 10.) is None
 
 
 def test_the_recipe_loader_on_digits_gives_our_images_unmirrored(tmp_path):
