@@ -76,10 +76,10 @@ class LadderConfig:
     lever_seeds: int = flag(3, 'seeds of each lever, the same seeds as the arm below it (paired)', at_least=2)
     images: int = flag(400_000, 'planned training images of a run (its lr schedule\'s length); it ends at its first '
                                 'evaluation at or below --target', at_least=1)
-    decay_images: int | None = flag(None, 'planned images of the runs whose lr decays to their end: the lr-decay '
-                                             'lever\'s, and once it is kept the arms above it and the diffusers '
-                                             'recipe\'s final seeds (default: half of --images, 200,000: about the '
-                                             'demo\'s plan, what a user would plan for this target)', at_least=1)
+    decay_images: int | None = flag(None, 'planned images of the runs whose lr decays to their end: the diffusers '
+                                             'recipe\'s final seeds, the lr-decay lever\'s and, once it is kept, the '
+                                             'arms above it (default: half of --images, 200,000: about the demo\'s '
+                                             'plan, what a user would plan for this target)', at_least=1)
     speed_images: int = flag(25_000, 'training images of each run of the speed levers and of the arm below them '
                                      '(judged by img/s alone)', at_least=1)
     screen_images: int = flag(100_000, 'training images of each diffusers variant\'s screen (one seed; judged by '
@@ -479,9 +479,9 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict) -> d
                 return None
             done['screened'][arm.name] = screen_score(got[0])
         best = min(recipe_variants(cfg), key=lambda a: done['screened'][a.name])
-        if ladder.get('peer', best, seeds, planned, target) is None:  # its cosine: the plan of our fastest arm
+        if ladder.get('peer', best, seeds, decay_plan(cfg), target) is None:  # its lr always decays: that plan
             return None
-        done['best_peer'], done['planned'][best.name] = best.name, planned
+        done['best_peer'], done['planned'][best.name] = best.name, decay_plan(cfg)
     except Missing as missing:
         done['missing'] = str(missing)
     return done
@@ -733,19 +733,19 @@ def record(done: dict, cfg: LadderConfig, floor) -> dict:
     def paired(name, against='baseline', to=target):
         seeds = sorted(set(full[name]) & set(full[against]))
         return paired_ratio([full[against][s] for s in seeds], [full[name][s] for s in seeds], to) if seeds else None
-    headline = {}
-    if done['fastest'] == 'baseline':
+    headline, name = {}, done['fastest']
+    if name == 'baseline':
         headline['no lever was kept: the headline arm is the baseline'] = None
-    elif done['fastest']:
-        name = done['fastest']
+    elif name:
         headline[f'{name} against the baseline, to {target:.2f} (paired by seed)'] = paired(name)
-        if done['best_peer']:
-            headline[f"{name} against the best diffusers variant ({done['best_peer']}), to {target:.2f} "
-                     f"(independent runs, Welch)"] = unpaired_ratio(list(full[done['best_peer']].values()),
-                                                                    list(full[name].values()), target)
+    if name and done['best_peer']:  # the baseline too: the paper's recipe as train.py runs it, against diffusers'
+        headline[f"{name} against the best diffusers variant ({done['best_peer']}), to {target:.2f} "
+                 f"(independent runs, Welch)"] = unpaired_ratio(list(full[done['best_peer']].values()),
+                                                                list(full[name].values()), target)
+    if name and name != 'baseline':
         headline[f"{name} against the baseline, to {targets['easy_target']:.2f} (paired by seed)"] = paired(
             name, to=targets['easy_target'])
-    elif cfg.ladder == 'prediction':
+    if cfg.ladder == 'prediction':
         headline = {f'{name} against the baseline, to {target:.2f} (paired by seed)': paired(name)
                     for name in full if name != 'baseline'}
     arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],

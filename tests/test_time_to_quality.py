@@ -64,6 +64,7 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
     headline = result['headline']
     assert result['best_peer'] == 'diffusers recipe' and all(value is None for value in headline.values())
+    assert any('against the best diffusers variant (diffusers recipe)' in label for label in headline)
     curves = sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
     assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-64-seed0.json',
                       'channels-last-64-seed1.json', 'diffusers-recipe-64-screen-seed0.json',
@@ -204,7 +205,7 @@ def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_targ
 
 def test_a_kept_lr_decay_plans_its_own_length_for_the_arms_above_and_the_peer(monkeypatch, tmp_path):
     # The decay lever's runs plan --decay-images against the arm below at --images; once kept, the arms
-    # above it, the headline arm and the peer's final seeds plan the same length (its cosine too).
+    # above it and the headline arm plan the same length; the peer's final seeds always do (its lr decays).
     def curve(at10):
         return {'curve': [{'images': 100, 'score': 40.0, 'minutes': 1.0, 'eval_seconds': 1.0},
                           {'images': 200, 'score': 10.0, 'minutes': at10, 'eval_seconds': 1.0}],
@@ -226,6 +227,26 @@ def test_a_kept_lr_decay_plans_its_own_length_for_the_arms_above_and_the_peer(mo
                                            ('diffusers recipe', 200), ('diffusers recipe', 250)}
     assert ('+ cosine lr decay', 250, 3) in seen and ('diffusers recipe', 250, 3) in seen  # the headline's seeds
     assert done['planned'] == {'+ cosine lr decay': 250, 'diffusers recipe': 250}
+
+
+def test_with_no_lever_kept_the_baseline_is_the_headline_arm_against_the_peer(monkeypatch, tmp_path):
+    def curve(at10):
+        return {'curve': [{'images': 100, 'score': 40.0, 'minutes': 1.0, 'eval_seconds': 1.0},
+                          {'images': 200, 'score': 10.0, 'minutes': at10, 'eval_seconds': 1.0}],
+                'img_per_s': 100.0, 'train_minutes': at10}
+    made = {'baseline': lambda s: curve(6 + 0.1 * s), '+ Adam beta2 0.99': lambda s: curve(6 + 0.1 * s + s % 2),
+            'diffusers recipe': lambda s: curve(12 + 0.5 * s)}
+    monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': job.identity(), **made[job.arm.name](job.seed)}
+                                                             for job in jobs])
+    cfg = ttq.LadderConfig(arms='+ Adam beta2 0.99', seeds=3, lever_seeds=2, images=400, screen_images=200,
+                           easy_at=200, out_dir=str(tmp_path))
+    done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {})
+    headline = ttq.record(done, cfg, None)['headline']
+    assert done['fastest'] == 'baseline' and list(headline)[0].startswith('no lever was kept')
+    ratio = headline['baseline against the best diffusers variant (diffusers recipe), to 10.00 (independent runs, '
+                     'Welch)']
+    logs = [math.log(12 + 0.5 * s) - math.log(6 + 0.1 * s) for s in range(3)]
+    assert ratio['ratio'] == pytest.approx(math.exp(sum(logs) / 3)) and not ratio['paired']
 
 
 def test_the_intervals_on_hand_made_numbers():
