@@ -614,8 +614,7 @@ def check_arms(cfg: LadderConfig):
     else:
         if reason := diffusers_missing_reason():
             raise ConfigError(f'the diffusers recipe arms: {reason}')
-        budgets += [(arm, images) for arm in recipe_variants(cfg)
-                    for images in (cfg.screen_images, cfg.images, decay_plan(cfg))]
+        budgets += [(arm, images) for arm in recipe_variants(cfg) for images in (cfg.screen_images, decay_plan(cfg))]
     speed_batch = max(train.check_flags(base_flags(cfg) + BASELINE + lv.flags).batch_size for lv in levers
                       if lv.judged_by == 'speed') if any(lv.judged_by == 'speed' for lv in levers) else 1
     if math.ceil(cfg.speed_images / speed_batch) < 2:
