@@ -8,7 +8,7 @@ One mode per run; each writes STEM.json and STEM.md under --out-dir, and STEM.pn
     python benchmark.py --profile        profile   torch.profiler of the fastest row: a trace, top kernels
     python benchmark.py --roofline       roofline  one step counted op by op and bounded on a GPU (--profile:
                                                    beside a profile of it; on a CPU, against its measured peaks)
-    python benchmark.py --sweep batch    sweep     one setting (batch|workers|amp|compile) around that row
+    python benchmark.py --sweep batch    sweep     one setting (batch|workers|amp|compile|layout) around that row
     python benchmark.py --loader-only    loaders   images/s each data path delivers vs the step's consumption
     python benchmark.py --quality        quality   held-out loss after N steps: baseline vs all speed-ups
     python benchmark.py --sampling-only  sampling  DDIM-50, DPM-Solver++, DDPM-1000: img/s, MFU, time for 50k
@@ -90,7 +90,7 @@ class BenchConfig:
     profile: bool = flag(False, 'profile the start row\'s step (--from-row): a Chrome/Perfetto trace, the top ops, and '
                                 'each category\'s time beside its bound on this device (see --roofline)')
     sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
-                       choices=('', 'batch', 'workers', 'amp', 'compile'))
+                       choices=('', 'batch', 'workers', 'amp', 'compile', 'layout'))
     sweep_values: str = flag('', 'comma-separated batch sizes or worker counts for --sweep batch|workers '
                                  '(default: 64 to 4096, or 0 2 4 8 workers)')
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')

@@ -100,8 +100,9 @@ class TrainConfig:
     amp: str = flag('auto', 'autocast (auto: bf16 on CUDA; off on a CPU: bf16 measured no faster on one with '
                             'native bf16, an AMD EPYC with AVX512-BF16; docs/training.md)',
                     choices=('auto', 'off', 'bf16', 'fp16'))
-    channels_last: bool | None = flag(None, 'NHWC memory format (default: on for CUDA; off on a CPU, measured no '
-                                            'faster)')
+    channels_last: bool | None = flag(None, 'NHWC memory format (default: off: slower than NCHW on an H200 with '
+                                            'the compiled bf16 step, results/h200-layout-check.md; no faster on a '
+                                            'CPU)')
     fused_adam: bool | None = flag(None, 'fused Adam kernel (default: on for CUDA; off on a CPU, measured slower)')
     loader: str = flag('auto', 'data path (auto: gpu when the set fits on the GPU, else torch)', choices=data.LOADERS)
     num_workers: int = flag(4, 'DataLoader workers for --loader torch', at_least=0)
@@ -481,7 +482,8 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
     cuda = device.type == 'cuda'
     fast_cpu = CPU_FAST_PATH if not cuda and cpu_has_native_bf16() else {}
     defaults = {**PAPER_TRAINING, **PRESET_TRAINING.get(cfg.preset, {}), 'dropout': PRESETS[cfg.preset].dropout,
-                **{name: cuda or fast_cpu.get(name, False) for name in ('compile', 'channels_last', 'fused_adam')},
+                **{name: cuda or fast_cpu.get(name, False) for name in ('compile', 'fused_adam')},
+                'channels_last': fast_cpu.get('channels_last', False),  # off on CUDA too: measured slower (H200)
                 'snr_gamma': 5.0 if cfg.loss_weight == 'min-snr' else None,
                 'eval_samples': 450 if cfg.dataset == 'digits' else 10000}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})

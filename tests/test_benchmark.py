@@ -85,8 +85,12 @@ def test_ladder_rows(campaign):
         assert row['mfu'] is None  # a CPU has no peak in the table: no guess
     assert measured[0]['name'].startswith('Baseline') and measured[0]['precision'] == 'fp32'
     settings = {row['name']: row['settings'] for row in result['rows']}
-    fused = settings['Fused Adam']  # the settings accumulate: each row keeps the changes above it
-    assert fused['compile'] and fused['attention'] == 'sdpa' and fused['amp'] == 'bf16' and fused['channels_last']
+    fused = settings['Fused Adam']  # the settings accumulate: each row keeps the changes above it ...
+    assert fused['compile'] and fused['attention'] == 'sdpa' and fused['amp'] == 'bf16' and fused['fused_adam']
+    tried = settings['Channels-last (tried: the rows below stay NCHW)']  # ... but a row that is only tried
+    assert tried['channels_last'] and not fused['channels_last'] and not settings[names[-1]]['channels_last']
+    assert {**tried, 'name': '', 'channels_last': False} == {**settings[names[names.index(tried['name']) - 1]],
+                                                             'name': ''}  # one change from the row above it
     for part, planned in [('autotune', ['compile max-autotune (no CUDA graphs)']),
                           ('graphs', ['compile reduce-overhead (CUDA graphs)', 'compile max-autotune + CUDA graphs'])]:
         rows = load(campaign, part)['rows']
@@ -406,6 +410,17 @@ def test_start_row_of_the_other_modes():
     assert timing.start_row(benchmark.BenchConfig(from_row='sdpa'), cpu).name == 'PyTorch SDPA'
     with pytest.raises(benchmark.train.ConfigError, match='matches no row'):
         timing.start_row(benchmark.BenchConfig(from_row='warp drive'), cpu)
+
+
+def test_the_layout_sweep_alternates_the_memory_format_alone():
+    cpu, bench = torch.device('cpu'), benchmark.BenchConfig()
+    best = timing.start_row(bench, cpu)
+    rows = timing.sweep_rows('layout', best, bench, cpu)
+    assert [(r.name, r.channels_last) for r in rows] == [('NCHW', False), ('channels-last', True),
+                                                         ('NCHW again', False), ('channels-last again', True)]
+    assert all(dataclasses.replace(r, name=best.name, channels_last=best.channels_last) == best for r in rows)
+    assert not best.channels_last and not train.resolve_defaults(train.TrainConfig(amp='off'),
+                                                                   torch.device('cuda')).channels_last
 
 
 def test_categories():

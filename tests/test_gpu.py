@@ -25,7 +25,7 @@ def test_fast_path_defaults_on_cuda(tmp_path):
     run = gpu_run(tmp_path)
     cfg = run.cfg
     settings = (cfg.amp, cfg.compile, cfg.channels_last, cfg.fused_adam, run.loader_kind)
-    assert settings == ('bf16', True, True, True, 'gpu')
+    assert settings == ('bf16', True, False, True, 'gpu')  # NCHW: channels-last measured slower (H200)
 
 
 @pytest.mark.parametrize('compile', [False, True])
