@@ -41,10 +41,12 @@ def ladder(bench, device: torch.device) -> list:
     """The reference table's rows, then ours; each row changes one thing."""
     rows = [Row('Baseline (fp32, eager, manual attention, DataLoader)', bench.batch_size)]
 
+    base = rows[0]  # the row the next one changes
+
     def add(name, carried=True, **change):  # a row not carried shows what its change costs; the next row leaves it out
-        rows.append(dataclasses.replace(carried_rows[-1], name=name, **change))
-        carried_rows.extend(rows[-1:] if carried else [])
-    carried_rows = rows[:]
+        nonlocal base
+        rows.append(dataclasses.replace(base, name=name, **change))
+        base = rows[-1] if carried else base
     add(f'Scale up batch size ({bench.big_batch})', batch_size=bench.big_batch)
     add('torch.compile (the network)', compile=True, compile_scope='model')
     add('torch.compile (the whole loss, one graph)', compile_scope='loss')
