@@ -137,6 +137,7 @@ def speed_levers(device, cfg: LadderConfig) -> list:
     samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2); the ones
     after it are the literature's, docs/training.md#levers-of-the-images-needed)."""
     batch, lr = doubled_batch(cfg)
+    peak_lr = one_digit(2 * ours(cfg).lr)
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
     return chosen(cfg, levers + [
@@ -160,7 +161,13 @@ def speed_levers(device, cfg: LadderConfig) -> list:
         Lever('+ EMA half-life 5%', "the EMA's half-life 5% of the images seen (EDM)", ['--ema-length', '0.05'],
               'time'),
         Lever('+ immiscible noise', "each image paired with the nearest of its batch's noise draws (Li et al., 2024)",
-              ['--immiscible'], 'time')])
+              ['--immiscible'], 'time'),
+        Lever('+ log-normal t, reweighted', "t drawn as by '+ log-normal t', each loss weighted by (1/T) / p(t): "
+              "L_simple's objective kept, its variance changed", ['--t-sampling', 'lognormal', '--t-reweight'], 'time'),
+        Lever('+ Laplace t, reweighted', "t drawn as by '+ Laplace t', each loss weighted by (1/T) / p(t); replaces "
+              'a kept reweighted log-normal t', ['--t-sampling', 'laplace', '--t-reweight'], 'time'),
+        Lever(f'+ peak lr {peak_lr}', f"twice the {cfg.preset} preset's peak learning rate", ['--lr', peak_lr],
+              'time')])
 
 
 def decay_plan(cfg: LadderConfig) -> int:
