@@ -162,9 +162,9 @@ def speed_levers(device, cfg: LadderConfig) -> list:
               'time'),
         Lever('+ immiscible noise', "each image paired with the nearest of its batch's noise draws (Li et al., 2024)",
               ['--immiscible'], 'time'),
-        Lever('+ log-normal t, reweighted', "t drawn as by '+ log-normal t', each loss weighted by (1/T) / p(t): "
+        Lever('+ reweighted log-normal t', "t drawn as by '+ log-normal t', each loss weighted by (1/T) / p(t): "
               "L_simple's objective kept, its variance changed", ['--t-sampling', 'lognormal', '--t-reweight'], 'time'),
-        Lever('+ Laplace t, reweighted', "t drawn as by '+ Laplace t', each loss weighted by (1/T) / p(t); replaces "
+        Lever('+ reweighted Laplace t', "t drawn as by '+ Laplace t', each loss weighted by (1/T) / p(t); replaces "
               'a kept reweighted log-normal t', ['--t-sampling', 'laplace', '--t-reweight'], 'time'),
         Lever(f'+ peak lr {peak_lr}', f"twice the {cfg.preset} preset's peak learning rate", ['--lr', peak_lr],
               'time')])
