@@ -135,9 +135,11 @@ def ours(cfg: LadderConfig) -> train.TrainConfig:
 def speed_levers(device, cfg: LadderConfig) -> list:
     """The levers in the order of the speed-up table: how fast a step runs, then how many images the
     samples need (the batch lever doubles the preset's batch, its learning rate x sqrt(2); the ones
-    after it are the literature's, docs/training.md#levers-of-the-images-needed)."""
+    after it are the literature's, docs/training.md#levers-of-the-images-needed, then the preset's own
+    settings: its peak lr, dropout and warm-up)."""
     batch, lr = doubled_batch(cfg)
-    peak_lr = one_digit(2 * ours(cfg).lr)
+    preset = ours(cfg)
+    peak_lr = one_digit(2 * preset.lr)
     levers = [Lever('+ bf16', 'bf16 autocast', ['--amp', 'bf16'], 'speed')] if (
         device.type == 'cuda' or cpu_has_native_bf16()) else []
     return chosen(cfg, levers + [
@@ -167,7 +169,11 @@ def speed_levers(device, cfg: LadderConfig) -> list:
         Lever('+ reweighted Laplace t', "t drawn as by '+ Laplace t', each loss weighted by (1/T) / p(t); replaces "
               'a kept reweighted log-normal t', ['--t-sampling', 'laplace', '--t-reweight'], 'time'),
         Lever(f'+ peak lr {peak_lr}', f"twice the {cfg.preset} preset's peak learning rate", ['--lr', peak_lr],
-              'time')])
+              'time'),
+        Lever('+ dropout 0.1', "dropout 0.1 in the residual blocks (the paper's CIFAR-10 setting)",
+              ['--dropout', '0.1'], 'time'),
+        Lever(f'+ warm-up {10 * preset.warmup}', f"a warm-up ten times the {cfg.preset} preset's",
+              ['--warmup', str(10 * preset.warmup)], 'time')])
 
 
 def decay_plan(cfg: LadderConfig) -> int:
