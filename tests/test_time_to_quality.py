@@ -541,3 +541,28 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
         assert sum(r.get('kind') == 'done' for r in rows) == 1
         curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-3200-seed{seed}.json').read_text())['curve']
         assert [p['images'] for p in curve] == [1600, 3200]
+
+
+def test_each_lever_changes_the_settings_it_names_and_no_other():
+    # The arms are data: a typo in one (a flag that means something else, a value off by ten) would
+    # measure another lever under its name. Each lever's resolved config differs from the ladder's
+    # common one in exactly the fields below.
+    cfg = ttq.LadderConfig()
+    base = dataclasses.asdict(ttq.ours(cfg))
+    expected = {'+ channels-last': {'channels_last': True}, '+ fused Adam': {'fused_adam': True},
+                '+ compile': {'compile': True}, '+ v-prediction': {'prediction': 'v'},
+                '+ Min-SNR-5': {'loss_weight': 'min-snr', 'snr_gamma': 5.0},
+                '+ batch 64': {'batch_size': 64, 'lr': 3e-3},
+                '+ cosine lr decay': {'lr_decay': 'cosine'}, '+ log-normal t': {'t_sampling': 'lognormal'},
+                '+ Laplace t': {'t_sampling': 'laplace'}, '+ input perturbation': {'input_perturbation': 0.1},
+                '+ Adam beta2 0.99': {'adam_beta2': 0.99}, '+ EMA half-life 5%': {'ema_length': 0.05},
+                '+ immiscible noise': {'immiscible': True},
+                '+ reweighted log-normal t': {'t_sampling': 'lognormal', 't_reweight': True},
+                '+ reweighted Laplace t': {'t_sampling': 'laplace', 't_reweight': True},
+                '+ peak lr 4e-3': {'lr': 2 * base['lr']}, '+ dropout 0.1': {'dropout': 0.1},
+                '+ warm-up 500': {'warmup': 10 * base['warmup']}}
+    levers = [lv for lv in ttq.speed_levers(torch.device('cpu'), cfg) if lv.name != '+ bf16']
+    assert [lv.name for lv in levers] == list(expected)
+    for lever in levers:
+        got = dataclasses.asdict(train.check_flags(ttq.base_flags(cfg) + lever.flags))
+        assert {k: v for k, v in got.items() if v != base[k]} == expected[lever.name], lever.name
