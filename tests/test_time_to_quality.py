@@ -481,7 +481,8 @@ def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root, basel
 
 def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '3200', '--speed-images', '3200',
-                   '--screen-images', '3200', '--eval-every', '1600', '--easy-at', '1600')
+                   '--screen-images', '3200', '--eval-every', '1600', '--easy-at', '1600', '--seeds', '2',
+                   '--lever-seeds', '2')  # two seeds: the rerun's part stays short
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = tmp_path / 'runs' / 'baseline-3200-seed0' / 'metrics.jsonl'
     deadline = time.time() + 120
@@ -519,7 +520,7 @@ def alive(pid: int) -> bool:
 def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--workers', '2', '--train', 'baseline', '--images',
                    '3200', '--speed-images', '3200', '--screen-images', '3200', '--eval-every', '1600',
-                   '--easy-at', '1600')
+                   '--easy-at', '1600', '--seeds', '2', '--lever-seeds', '2')  # the two runs the workers hold
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     started = [tmp_path / 'runs' / f'baseline-3200-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
