@@ -65,7 +65,10 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert levers['+ channels-last']['judged_by'] == 'speed' and levers['+ v-prediction']['n'] == 2
     assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
     headline = result['headline']
-    assert result['best_peer'] == 'diffusers recipe' and all(value is None for value in headline.values())
+    # No run reaches 12.3, so no ratio to it; one to the easier target (the baseline's worst seed's score)
+    # exists when a kept-by-noise channels-last's two seeds happen to score under it.
+    assert result['best_peer'] == 'diffusers recipe' and all(
+        value is None for label, value in headline.items() if 'to 12.30' in label)
     assert any('against the best diffusers variant (diffusers recipe)' in label for label in headline)
     curves = sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
     assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-64-seed0.json',
