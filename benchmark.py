@@ -8,7 +8,10 @@ One mode per run; each writes STEM.json and STEM.md under --out-dir, and STEM.pn
     python benchmark.py --profile        profile   torch.profiler of the fastest row: a trace, top kernels
     python benchmark.py --roofline       roofline  one step counted op by op and bounded on a GPU (--profile:
                                                    beside a profile of it; on a CPU, against its measured peaks)
-    python benchmark.py --sweep batch    sweep     one setting (batch|workers|amp|compile|layout) around that row
+    python benchmark.py --sweep batch    sweep     one setting (batch|workers|amp|compile|layout|peer) around that
+                                                   row; peer: that row and diffusers' UNet2DModel, A B A B
+    python benchmark.py --side-by-side   profile   that row's step profiled for our UNet and diffusers' UNet2DModel
+                                                   in one process: by kernel category and by module, beside bounds
     python benchmark.py --loader-only    loaders   images/s each data path delivers vs the step's consumption
     python benchmark.py --quality        quality   held-out loss after N steps: baseline vs all speed-ups
     python benchmark.py --sampling-only  sampling  DDIM-50, DPM-Solver++, DDPM-1000: img/s, MFU, time for 50k
@@ -34,6 +37,7 @@ import data
 import diffusion
 import drawing
 import evaluation
+import profiling
 import roofline
 import train
 from cli import (ConfigError, brief, changed_fields, check_plain_name, check_ranges, flag, flag_name, parse_config,
@@ -44,9 +48,9 @@ from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recip
 from files import check_writable
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops
 from reports import bar_chart, format_or_na, markdown_table, provenance, write_report
-from timing import (Row, add_speedups, beton_for, build_row_run, image_folder_for, load_data, measure_row,
-                    measured_or_failed, model_config, peak_for, release, row_line, row_train_config, selected_rows,
-                    start_row, sweep_rows, throughput, time_iterations)
+from timing import (PEER_CHANGE, Row, add_speedups, beton_for, build_row_run, image_folder_for, load_data,
+                    measure_row, measured_or_failed, model_config, network_of, peak_for, release, row_line,
+                    row_settings, row_train_config, selected_rows, start_row, sweep_rows, throughput, time_iterations)
 
 
 @dataclass
@@ -89,10 +93,15 @@ class BenchConfig:
                                         'builds)', choices=('auto', 'inductor', 'aot_eager', 'eager'))
     profile: bool = flag(False, 'profile the start row\'s step (--from-row): a Chrome/Perfetto trace, the top ops, and '
                                 'each category\'s time beside its bound on this device (see --roofline)')
-    sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot',
-                       choices=('', 'batch', 'workers', 'amp', 'compile', 'layout'))
+    sweep: str = flag('', 'sweep one setting around the start row (see --from-row), with a plot; peer: the start '
+                          'row and diffusers\' UNet2DModel under its settings, alternated A B A B, and their ratio',
+                      choices=('', 'batch', 'workers', 'amp', 'compile', 'layout', 'peer'))
     sweep_values: str = flag('', 'comma-separated batch sizes or worker counts for --sweep batch|workers '
                                  '(default: 64 to 4096, or 0 2 4 8 workers)')
+    side_by_side: bool = flag(False, 'profile the start row\'s step (--from-row; at --big-batch and --precision) for '
+                                     'our UNet and then diffusers\' UNet2DModel under the same settings, in one '
+                                     'process: ms per step by kernel category (the step as it runs) and by module '
+                                     '(the same step run eagerly), each beside its bound counted op by op')
     loader_only: bool = flag(False, 'images/s that each data path delivers, beside the step\'s consumption')
     sampling: bool = flag(True, 'after the ladder, time the samplers: DDIM-50, DPM-Solver++ at 10, 20, 50 calls and '
                                 'DDPM-1000 (their own table)')
@@ -128,7 +137,7 @@ def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
         bench, preset=bench.preset or ('ddpm-cifar10' if cuda or bench.roofline and not bench.profile else 'tiny'),
         iters=bench.iters or default(50, 10),
         warmup=default(10, 3) if bench.warmup is None else bench.warmup,
-        precision=bench.precision or ('fp32' if bench.profile and not cuda else 'bf16'),  # a CPU's own step: fp32
+        precision=bench.precision or ('fp32' if (bench.profile or bench.side_by_side) and not cuda else 'bf16'),
         sample_batch=bench.sample_batch or default(1000, 64), compile_backend=(
             bench.compile_backend if bench.compile_backend != 'auto' else 'eager' if bench.quick and not cuda
             else 'inductor'))
@@ -146,10 +155,10 @@ def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
 def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
     """The model peer: diffusers' UNet2DModel under the settings of our fastest row (compile,
     precision, channels-last, fused Adam, data path, batch; its attention its own default, SDPA)."""
-    row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', attention='sdpa')
+    row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', **PEER_CHANGE)
     if reason := diffusers_missing_reason():
         return {'name': row.name, 'kind': 'model', 'skipped': reason}
-    result = {'kind': 'model', **measure_row(row, bench, device, dataset, dataset_name, flops, DiffusersUNet)}
+    result = {'kind': 'model', **measure_row(row, bench, device, dataset, dataset_name, flops)}
     return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
 
 
@@ -392,10 +401,11 @@ def train_for_quality(row: Row, bench: BenchConfig, device, dataset, dataset_nam
     (and on digits the digits score of 450 EMA samples), evaluated the same way for every row: fp32,
     eager, on the same images, timesteps and noise."""
     row_cfg = dataclasses.replace(row_train_config(row, bench, device, dataset_name), seed=seed)
-    run = build_row_run(row_cfg, bench, device, dataset, compile_scope=row.compile_scope)
-    start, stream, loss_sum = time.perf_counter(), train.batches(run, 0), torch.zeros((), device=device)
-    for step in tqdm(range(bench.steps), desc=f'  {row.name[:40]}', leave=False):
-        loss_sum += train.train_step(run, next(stream), step)
+    with row_settings(row):
+        run = build_row_run(row_cfg, bench, device, dataset, network_of(row), row.compile_scope)
+        start, stream, loss_sum = time.perf_counter(), train.batches(run, 0), torch.zeros((), device=device)
+        for step in tqdm(range(bench.steps), desc=f'  {row.name[:40]}', leave=False):
+            loss_sum += train.train_step(run, next(stream), step)
     train_loss, seconds = loss_sum.item() / bench.steps, time.perf_counter() - start
     eval_cfg = dataclasses.replace(row_cfg, amp='off', channels_last=False)
     heldout = evaluation.make_heldout(eval_cfg, device, run.sched.num_steps)
@@ -462,41 +472,6 @@ def run_quality(bench: BenchConfig) -> dict:
     return result
 
 
-# ----------------------------------------------------------------------------- profile
-
-def profile_rows(prof, device: torch.device, active: int) -> list:
-    """Per op (CPU) or kernel (CUDA): self time in ms per iteration of `active`, with its category."""
-    rows = []
-    for event in prof.key_averages():
-        if device.type == 'cuda' and str(event.device_type) != 'DeviceType.CUDA':
-            continue  # CPU ops that launch kernels: their kernels are counted instead
-        self_us = event.self_device_time_total if device.type == 'cuda' else event.self_cpu_time_total
-        if self_us > 0 and not event.key.startswith('ProfilerStep'):  # the profiler's own record: host time between ops
-            rows.append({'name': event.key, 'category': roofline.categorise(event.key), 'calls': event.count,
-                         'self_us': self_us, 'ms_per_iter': self_us / 1e3 / active})
-    return sorted(rows, key=lambda r: -r['self_us'])
-
-
-def profile_steps(run: train.Run, quick: bool, trace: str) -> tuple:
-    """(torch.profiler over train.py's steps, data included, after 3 that compile and warm up; the
-    number of steps it profiled); its trace written to TRACE (Chrome/Perfetto JSON)."""
-    stream, active = train.batches(run, 0), 3 if quick else 10
-    for step in range(3):  # compile and warm up outside the profile
-        train.train_step(run, next(stream), step)
-    synchronize(run.device)
-    activities = [torch.profiler.ProfilerActivity.CPU] + (
-        [torch.profiler.ProfilerActivity.CUDA] if run.device.type == 'cuda' else [])
-    with torch.profiler.profile(activities=activities,
-                                schedule=torch.profiler.schedule(wait=1, warmup=2, active=active)) as prof:
-        for step in range(3, 3 + 3 + active):
-            train.train_step(run, next(stream), step)
-            prof.step()
-        synchronize(run.device)
-    os.makedirs(os.path.dirname(trace), exist_ok=True)
-    prof.export_chrome_trace(trace)
-    return prof, active
-
-
 # ----------------------------------------------------------------------------- the physical limit
 
 def roofline_step(bench: BenchConfig, device: torch.device) -> tuple:
@@ -533,9 +508,10 @@ def run_roofline(bench: BenchConfig) -> dict:
         channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
         images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size)[:, :channels])
         trace = os.path.join(bench.out_dir, 'traces', f'{stem}.json')
-        prof, active = profile_steps(build_row_run(cfg, bench, device, images, compile_scope=row.compile_scope),
-                                     bench.quick, trace)
-        ops = profile_rows(prof, device, active)
+        with row_settings(row):
+            prof, active = profiling.profile_steps(build_row_run(cfg, bench, device, images, network_of(row),
+                                                                 row.compile_scope), bench.quick, trace)
+        ops = profiling.profile_rows(prof, device, active)
         result['cases']['measured'] = roofline.add_measured(bounds, ops, cfg.batch_size)
         result.update(measured_against='fused' if row.compile else 'eager', trace=trace, active_iterations=active,
                       top_ops=ops[:40])
@@ -543,26 +519,121 @@ def run_roofline(bench: BenchConfig) -> dict:
     return result
 
 
+def run_side_by_side(bench: BenchConfig) -> dict:
+    """--side-by-side: the start row's step (roofline_step's) for our UNet, then for diffusers'
+    UNet2DModel of the same function under the same settings, in one process: each counted op by op
+    (its bounds, per category and per module group) and profiled as it runs (compiled on CUDA: per
+    kernel category) and eagerly with module scopes (per module group; on a CPU the step is eager and
+    one profile gives both). The peer failing costs its half, not ours."""
+    device = pick_device(bench.device)
+    bench = resolve(bench, device)
+    row, cfg = roofline_step(bench, device)
+    target = roofline.target(dataclasses.replace(bench, profile=True), device) or roofline.cpu_peaks(
+        bench.quick, {'fp32': torch.float32}.get(bench.precision, torch.bfloat16))
+    tflops, gbs = target['peak_tflops'], target['bandwidth_gbs']
+    channels = data.channels_of(cfg.dataset)  # what the pixels show does not change the step's time
+    images = data.ImageTensorDataset(data.make_shapes(4 * cfg.batch_size, cfg.image_size)[:, :channels])
+    stem = bench.stem or output_stem(bench, device, 'profile-side-by-side' + ('-quick' if bench.quick else ''))
+    networks, active = {}, None
+
+    def profiled(make_model, compiled: bool, trace: str = None) -> tuple:
+        run_cfg = cfg if compiled else dataclasses.replace(cfg, compile=False)
+        with row_settings(row):
+            run = build_row_run(run_cfg, bench, device, images, make_model, row.compile_scope)
+            scopes = None if compiled else profiling.ModuleScopes(record=True)  # hooks would enter the graph
+            prof, steps = profiling.profile_steps(run, bench.quick, trace, scopes)
+        ops = profiling.profile_rows(prof, device, steps)
+        categories = profiling.by_category(ops)
+        part = {'compiled': compiled, 'ms_per_step': sum(categories.values()), 'categories': categories,
+                'top_ops': ops[:20]}
+        part['img_per_s'] = 1e3 * cfg.batch_size / part['ms_per_step']
+        if scopes:
+            part['modules'] = profiling.module_times(prof, device, steps)
+        release(device)
+        return part, steps
+    for key, make_model in (('ours', None), ('diffusers', DiffusersUNet)):
+        entry = networks[key] = {'name': 'UNet (model.py)' if key == 'ours' else 'UNet2DModel (diffusers)'}
+        if key == 'diffusers' and (reason := diffusers_missing_reason()):
+            entry['error'] = reason
+            continue
+        print(f"side by side: {key}: counting the step, then profiling it on {device_name(device)} ...", flush=True)
+        try:
+            if key == 'diffusers':
+                from diffusers import __version__
+                entry['name'] = f'UNet2DModel (diffusers {__version__})'
+            ops = roofline.count_step(cfg, cuda=device.type == 'cuda', make_model=make_model,
+                                      scopes=profiling.ModuleScopes())
+            entry['bounds'] = {**roofline.bounds(ops, cfg.batch_size, tflops, gbs),
+                               'modules': profiling.module_bounds(ops, tflops, gbs)}
+            trace = os.path.join(bench.out_dir, 'traces', f'{stem}-{key}.json')
+            entry['shipped'], active = profiled(make_model, cfg.compile, trace)
+            entry['eager'] = entry['shipped'] if not cfg.compile else profiled(make_model, False)[0]
+        except Exception as error:  # noqa: BLE001 (a network that fails here is reported beside the other)
+            if key == 'ours':
+                raise
+            entry['error'] = brief(error, 300)
+            release(device)
+    total = networks['ours']['bounds']['total']
+    flops = {'train': 1e9 * total['gflop_per_image'], 'method': "FlopCounterMode's formulas, op by op"}
+    result = {**header(bench, device, flops, cfg.dataset), 'target': target, 'row': row.name,
+              'settings': asdict(row), 'precision': bench.precision, 'batch_size': cfg.batch_size,
+              'compiled': cfg.compile, 'active_iterations': active, 'networks': networks}
+    profiling.write_side_by_side(result, bench.out_dir, stem)
+    return result
+
+
 # ----------------------------------------------------------------------------- sweeps and data paths
+
+def peer_comparison(rows: list) -> dict | None:
+    """--sweep peer: our row's and the peer's img/s in each round (A B A B), the mean of each one's two
+    medians, their ratio (the target: >= 1.15), and each round's ratio."""
+    ours, peer = ([r['img_per_s'] for r in rows if r['settings']['network'] == network and 'img_per_s' in r]
+                  for network in ('ours', 'diffusers'))
+    if not ours or not peer:
+        return None
+    return {'ours_img_per_s': ours, 'peer_img_per_s': peer, 'ours_mean_img_per_s': sum(ours) / len(ours),
+            'peer_mean_img_per_s': sum(peer) / len(peer), 'ratio': (sum(ours) / len(ours)) / (sum(peer) / len(peer)),
+            'ratio_per_round': [o / p for o, p in zip(ours, peer)], 'target_ratio': 1.15}
+
+
+def write_sweep(stem: str, meta: dict, rows: list, bench: BenchConfig, final: bool = True) -> dict:
+    """The sweep's report, rewritten after every row (final=False: 'complete': false), as the ladder's;
+    the chart and the printed table at the end."""
+    result, table = {**meta, 'complete': final, 'rows': rows}, ladder_table(rows)
+    notes = ''
+    if meta['sweep'] == 'peer' and (comparison := peer_comparison(rows)):
+        result['comparison'] = comparison
+        notes = (f"\n\nOurs ('{meta['base_row']}') {comparison['ours_mean_img_per_s']:,.0f} img/s, diffusers' "
+                 f"UNet2DModel under its settings {comparison['peer_mean_img_per_s']:,.0f} img/s (each the mean of "
+                 f"its rounds' medians, alternated A B A B in one process): ours {comparison['ratio']:.3f}x (rounds: "
+                 f"{', '.join(f'{r:.3f}x' for r in comparison['ratio_per_round'])}; the target is >= 1.15x).")
+    status = '' if final else '\n\n(incomplete: the run was still going, or was stopped, when this was written)'
+    png = write_report(bench.out_dir, stem, result, f"Sweep of {meta['sweep']} around '{meta['base_row']}': "
+                       f"{meta['preset']} on {meta['device']}", table + status, notes=notes)
+    if final:
+        measured = [r for r in rows if 'img_per_s' in r]
+        bar_chart(png, [r['name'] for r in measured], [r['img_per_s'] for r in measured],
+                  f"{meta['preset']}: sweep of {meta['sweep']}, {meta['device']}, torch {meta['torch']}",
+                  'training images per second (higher is better)', texts=[
+                      f" {r['img_per_s']:,.0f} img/s, MFU {format_or_na(r['mfu'], '.1%')}" for r in measured])
+        print(table + notes)
+    return result
+
 
 def run_sweep(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     best, results = start_row(bench, device), []
-    for row in sweep_rows(bench.sweep, best, bench, device):
-        print(f'{row.name} ...', flush=True)
+    rows = sweep_rows(bench.sweep, best, bench, device)
+    meta = {**header(bench, device, flops, dataset_name), 'sweep': bench.sweep, 'base_row': best.name,
+            'rows_planned': [row.name for row in rows]}
+    stem = output_stem(bench, device, f'sweep-{bench.sweep}')
+    for index, row in enumerate(rows, 1):
+        print(f'[{index}/{len(rows)}] {row.name} ...', flush=True)
         results.append(measure_row(row, bench, device, dataset, dataset_name, flops))
-    add_speedups(results)  # relative to the sweep's first point
-    meta, table = header(bench, device, flops, dataset_name), ladder_table(results)
-    png = write_report(bench.out_dir, output_stem(bench, device, f'sweep-{bench.sweep}'),
-                       {**meta, 'sweep': bench.sweep, 'base_row': best.name, 'rows': results},
-                       f"Sweep of {bench.sweep} around '{best.name}': {bench.preset} on {meta['device']}", table)
-    measured = [r for r in results if 'img_per_s' in r]
-    bar_chart(png, [r['name'] for r in measured], [r['img_per_s'] for r in measured],
-              f"{bench.preset}: sweep of {bench.sweep}, {meta['device']}, torch {meta['torch']}",
-              'training images per second (higher is better)', texts=[
-                  f" {r['img_per_s']:,.0f} img/s, MFU {format_or_na(r['mfu'], '.1%')}" for r in measured])
-    print(table)
-    return {**meta, 'rows': results}
+        add_speedups(results)  # relative to the sweep's first point
+        print(row_line(index, len(rows), results[-1]), flush=True)
+        write_sweep(stem, meta, results, bench, final=False)
+    return write_sweep(stem, meta, results, bench)
 
 
 def time_loader(loader, num_batches: int, device: torch.device) -> float:
@@ -618,34 +689,36 @@ def run_loader_only(bench: BenchConfig) -> dict:
 
 # The modes besides the ladder: the flag that asks for each, and what runs it.
 MODES = {'roofline': run_roofline, 'profile': run_roofline, 'sweep': run_sweep, 'loader_only': run_loader_only,
-         'quality': run_quality, 'sampling_only': run_sampling_only}
+         'quality': run_quality, 'sampling_only': run_sampling_only, 'side_by_side': run_side_by_side}
 # Which mode reads which flag: a flag given to a mode that does not read it is refused, not ignored.
 # A flag not named here (the model, the data, the device, the rows' settings, the outputs) is read by
 # every mode. 'profile' is --profile on a GPU (with or without --roofline: the bound from the GPU's
-# peaks); 'profile_cpu' the same on a CPU, whose peaks are measured, not given.
+# peaks); 'profile_cpu' the same on a CPU, whose peaks are measured, not given; 'side_by_side' and
+# 'side_by_side_cpu' likewise.
 TIMED = ('ladder', 'sweep', 'sampling_only')  # the modes that time iterations and report MFU
 MODE_READS = {
     'rows': ('ladder',), 'peer': ('ladder',), 'sampling': ('ladder',),
     'iters': TIMED, 'warmup': TIMED,
     'sample_batch': ('ladder', 'sampling_only'), 'sample_compile_mode': ('ladder', 'sampling_only'),
-    'peak_tflops': TIMED + ('roofline', 'profile'), 'peak_tflops_fp32': TIMED + ('roofline', 'profile'),
-    'from_row': ('roofline', 'profile', 'profile_cpu', 'sweep', 'loader_only', 'quality', 'sampling_only'),
+    'peak_tflops': TIMED + ('roofline', 'profile', 'side_by_side'),
+    'peak_tflops_fp32': TIMED + ('roofline', 'profile', 'side_by_side'),
+    'from_row': ('roofline', 'profile', 'profile_cpu', 'side_by_side', 'side_by_side_cpu', 'sweep', 'loader_only',
+                 'quality', 'sampling_only'),
     'sweep_values': ('sweep',), 'steps': ('quality',),
-    'gpu': ('roofline', 'profile'), 'bandwidth_gbs': ('roofline', 'profile'),
-    'precision': ('roofline', 'profile', 'profile_cpu'),
+    'gpu': ('roofline', 'profile', 'side_by_side'), 'bandwidth_gbs': ('roofline', 'profile', 'side_by_side'),
+    'precision': ('roofline', 'profile', 'profile_cpu', 'side_by_side', 'side_by_side_cpu'),
 }
 
 
 def mode_name(mode: str) -> str:
-    return {'ladder': 'the ladder (no mode flag)', 'profile_cpu': '--profile on a CPU'}.get(
-        mode, '--' + mode.replace('_', '-'))
+    return {'ladder': 'the ladder (no mode flag)', 'profile_cpu': '--profile on a CPU',
+            'side_by_side_cpu': '--side-by-side on a CPU'}.get(mode, '--' + mode.replace('_', '-'))
 
 
 def mode_of(bench: BenchConfig, device: torch.device) -> str:
     """The mode a run is in, as MODE_READS names it."""
-    if bench.profile:
-        return 'profile' if device.type == 'cuda' else 'profile_cpu'
-    return next((name for name in MODES if getattr(bench, name)), 'ladder')
+    mode = 'profile' if bench.profile else next((name for name in MODES if getattr(bench, name)), 'ladder')
+    return mode + ('_cpu' if mode in ('profile', 'side_by_side') and device.type != 'cuda' else '')
 
 
 def validate(bench: BenchConfig) -> BenchConfig:
@@ -667,10 +740,13 @@ def validate(bench: BenchConfig) -> BenchConfig:
     selected_rows(bench, device)  # a --rows part that matches no row is an error now
     if bench.from_row:
         start_row(bench, device)  # an unknown row is an error now, not after the data is loaded
-    if bench.roofline or bench.profile:
-        roofline.target(bench, device)
+    if bench.roofline or bench.profile or bench.side_by_side:
+        roofline.target(dataclasses.replace(bench, profile=bench.profile or bench.side_by_side), device)
     if bench.stem:
         check_plain_name(bench.stem, '--stem')
+    if bench.sweep_values and bench.sweep not in ('batch', 'workers'):  # amp, compile, layout: fixed points
+        raise ConfigError(f'--sweep-values is not read by --sweep {bench.sweep}; it is read only by --sweep batch, '
+                          f'--sweep workers')
     try:
         values = [int(v) for v in bench.sweep_values.split(',') if v.strip()]
     except ValueError:

@@ -28,16 +28,17 @@ RESUME_REQUIRED = ('optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rn
 # length, logging, outputs, speed). Settings that 'auto' resolves per device are resolved again.
 NOT_REPLAYED = ('resume', 'out_dir')
 RESUME_MUST_MATCH = ('preset', 'dataset', 'image_size', 'shapes_count', 'batch_size', 'seed', 'schedule', 'dropout',
-                     'prediction')
+                     'prediction', 'class_cond', 'label_drop')
 CHANGED_WITH_WARNING = ('lr', 'warmup', 'grad_clip', 'ema_decay', 'amp', 'loss_weight', 'snr_gamma',
                         'channels_last',  # the layout: another order of the noise's draws and of the sums
                         't_sampling', 't_mean', 't_scale', 't_reweight', 'input_perturbation', 'lr_decay',
-                        'adam_beta2', 'ema_length', 'immiscible')
+                        'adam_beta2', 'ema_length', 'immiscible', 'guidance')
 # What a checkpoint written before a setting existed trained with.
 SETTINGS_BEFORE_THEY_EXISTED = {'prediction': 'eps', 'loss_weight': 'uniform', 'snr_gamma': None,
                                 't_sampling': 'uniform', 't_mean': None, 't_scale': None, 't_reweight': False,
                                 'input_perturbation': 0.0, 'lr_decay': 'none', 'adam_beta2': 0.999,
-                                'ema_length': 0.0, 'immiscible': False}
+                                'ema_length': 0.0, 'immiscible': False, 'class_cond': False, 'label_drop': None,
+                                'guidance': None}
 RESOLVED_PER_DEVICE = ('amp', 'compile', 'channels_last', 'fused_adam', 'loader')
 
 
@@ -79,6 +80,10 @@ def resume_settings(cfg, given: set) -> tuple:
         saved.pop('steps', None)  # --epochs given now sets the length; a replayed --steps would win over it
     if 'loss_weight' in given and 'snr_gamma' not in given:
         saved.pop('snr_gamma', None)  # the saved gamma belongs to the saved weighting, not to the one given now
+    if 't_sampling' in given and cfg.t_sampling != saved.get('t_sampling', 'uniform'):
+        for name in ('t_mean', 't_scale') + (('t_reweight',) if cfg.t_sampling == 'uniform' else ()):
+            if name not in given:  # the saved law's parameters belong to it, not to the law given now
+                saved.pop(name, None)
     moved = os.path.realpath(str(ckpt['config'].get('out_dir'))) != os.path.realpath(cfg.out_dir)
     if moved and 'samples_dir' not in given:  # a copy resumed elsewhere keeps its grids in its own folder
         saved['samples_dir'] = os.path.join(cfg.out_dir, 'samples')
@@ -212,11 +217,12 @@ def check_same_data(ckpt: dict, named_as: str, data_identity: dict, data_dir: st
 
 def architecture_differences(theirs, config: UNetConfig) -> list:
     """'field=theirs (now ours)' for every field of the network in which a saved model_config
-    (a dict) differs from `config`; attention and dropout hold no weights and may differ."""
+    (a dict) differs from `config`; attention, dropout and the fused norm hold no weights and may differ."""
     theirs = theirs if isinstance(theirs, dict) else {}
+    theirs = {'num_classes': 0, **theirs}  # a network from before class conditioning had no classes
     return [f'{k}={theirs.get(k)!r} (now {v!r}{": channel counts differ" if k == "in_channels" else ""})'
             for k, v in asdict(config).items()
-            if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout')]
+            if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout', 'fused_norm')]
 
 
 def initial_weights(path: str, config: UNetConfig, prediction: str = 'eps') -> dict:

@@ -54,12 +54,16 @@ def in_range(value, bounds: dict) -> bool:
 
 
 def check_ranges(config):
-    """Every field's declared range, checked; a field left at None (a default still to be
-    resolved) is skipped. The first failure is a ConfigError naming the flag."""
+    """Every field's declared range, checked, and every float finite (a NaN or an infinity passes
+    argparse's float() and no comparison catches it: it would fail at the first step instead); a
+    field left at None (a default still to be resolved) is skipped. The first failure is a
+    ConfigError naming the flag."""
     for f in fields(config):
         value, bounds = getattr(config, f.name), f.metadata.get('bounds')
         if bounds and value is not None and not in_range(value, bounds):
             raise ConfigError(f'{flag_name(f.name)} must be {range_text(bounds)}, got {value}')
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f'{flag_name(f.name)} must be a finite number, got {value}')
 
 
 def check_plain_name(value: str, flag: str):

@@ -8,6 +8,8 @@ batch there, with no host work per step; `torch` is a DataLoader with workers an
 memory; `ffcv` reads a .beton file (optional). The order of each epoch (a permutation and a
 flip per image, no flips for digits) is a function of (seed, epoch) alone, the same for every
 loader, so that a resumed run sees exactly the batches an uninterrupted one would have.
+Labels, for class-conditional training: CIFAR-10's ten classes, the ten digits, a folder's
+subfolders (one per class) or a .beton's label field; a loader given them yields (images, labels).
 
     python data.py --write-beton OUT.beton --dataset cifar10|folder|shapes|digits   # a .beton for FFCV
 """
@@ -34,6 +36,7 @@ LOADERS = ('auto', 'gpu', 'torch', 'ffcv')
 SHAPES_HELDOUT_SEED = 1_000_003  # the held-out shapes come from their own stream
 DIGITS_HELDOUT_SHARE = 0.25  # of each class: 450 held-out digits, 1,347 for training
 DIGITS_SPLIT_SEED = 0  # the split is fixed: every run, seed and script holds out the same digits
+CIFAR10_CLASSES = ('airplane', 'automobile', 'bird', 'cat', 'deer', 'dog', 'frog', 'horse', 'ship', 'truck')
 
 
 class DataError(Exception):
@@ -44,10 +47,11 @@ class DataError(Exception):
 # ----------------------------------------------------------------------------- data sets
 
 class ImageTensorDataset(Dataset):
-    """An in-memory uint8 image set: `images` is (N, C, H, W)."""
+    """An in-memory uint8 image set: `images` is (N, C, H, W); `labels` (N,) int64 or None, the
+    classes named by `class_names`."""
 
-    def __init__(self, images: torch.Tensor):
-        self.images = images
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor = None, class_names: list = None):
+        self.images, self.labels, self.class_names = images, labels, class_names
 
     def __len__(self):
         return len(self.images)
@@ -58,11 +62,13 @@ class ImageTensorDataset(Dataset):
 
 class ImageFolderDataset(Dataset):
     """Every PNG/JPEG under a folder, decoded lazily, converted to RGB, resized (shorter side)
-    and centre-cropped to image_size. Grayscale, RGBA and odd sizes are converted."""
+    and centre-cropped to image_size. Grayscale, RGBA and odd sizes are converted. With labels=True,
+    each image's class is its top-level subfolder (folder_labels)."""
 
-    def __init__(self, root: str, image_size: int):
+    def __init__(self, root: str, image_size: int, labels: bool = False):
         self.paths = list_image_files(root)
         self.image_size = image_size
+        self.labels, self.class_names = folder_labels(root, self.paths) if labels else (None, None)
 
     def __len__(self):
         return len(self.paths)
@@ -128,6 +134,42 @@ def list_image_files(root: str) -> list:
     return paths
 
 
+def folder_labels(root: str, paths: list) -> tuple:
+    """(labels (N,) int64, class names) of image files under `root`, one class per top-level
+    subfolder in sorted order (torchvision's ImageFolder convention); a file outside every
+    subfolder, or fewer than two classes, is refused with one line."""
+    tops = [os.path.relpath(path, root).split(os.sep) for path in paths]
+    loose = [parts[0] for parts in tops if len(parts) == 1]
+    if loose:
+        raise DataError(f'--class-cond: {len(loose)} image(s) of {root!r} lie outside any class subfolder (such as '
+                        f'{loose[0]!r}): put each image in the subfolder of its class')
+    names = sorted({parts[0] for parts in tops})
+    if len(names) < 2:
+        raise DataError(f'--class-cond: {root!r} holds {len(names)} class subfolder(s) ({", ".join(names)}); '
+                        f'class-conditional training needs at least two')
+    index = {name: i for i, name in enumerate(names)}
+    return torch.tensor([index[parts[0]] for parts in tops], dtype=torch.long), names
+
+
+def class_names(name: str, data_dir: str) -> list:
+    """The classes of a data set's labels, in label order (what --class-cond conditions on), or a
+    one-line DataError for a set without labels."""
+    if name == 'cifar10':
+        return list(CIFAR10_CLASSES)
+    if name == 'digits':
+        return [str(digit) for digit in range(10)]
+    if name == 'folder':
+        return folder_labels(data_dir, list_image_files(data_dir))[1]
+    if name == 'beton':
+        names = BetonDataset(data_dir).class_names
+        if names is None:
+            raise DataError(f'--class-cond: {data_dir!r} holds no labels: write it from a labelled set (cifar10, '
+                            f'digits, or a folder with a subfolder per class) with python data.py --write-beton')
+        return names
+    raise DataError(f'--class-cond: the {name} set has no labels; use cifar10, digits, or --dataset folder with '
+                    f'one subfolder per class')
+
+
 def open_rgb(path: str):
     """A PIL image in RGB with its true levels: 16-bit grayscale is scaled to 8 bits (PIL's
     own convert('RGB') would clip it, turning most of the image white)."""
@@ -167,13 +209,14 @@ def resize_images(images: torch.Tensor, image_size: int) -> torch.Tensor:
     return resized.round().clamp(0, 255).to(torch.uint8)
 
 
-def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = '--dataset') -> torch.Tensor:
-    """CIFAR-10 through torchvision, as (N, 3, 32, 32) uint8; downloads into data_dir if it
-    is missing, and says what to pass instead when that is impossible (offline): `flag` is the
-    caller's flag that names the data set."""
+def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = '--dataset',
+                 labels: bool = False) -> torch.Tensor:
+    """CIFAR-10 through torchvision, as (N, 3, 32, 32) uint8 (and with labels=True its (N,) int64
+    labels: (images, labels)); downloads into data_dir if it is missing, and says what to pass
+    instead when that is impossible (offline): `flag` is the caller's flag that names the data set."""
     from torchvision.datasets import CIFAR10
     try:
-        return _cifar10_images(CIFAR10(data_dir, train=train, download=False))
+        return _cifar10_images(CIFAR10(data_dir, train=train, download=False), labels)
     except RuntimeError:
         pass  # not there (or corrupt): try the download
     hint = (f"put the python version of CIFAR-10 (cifar-10-batches-py/ from "
@@ -191,11 +234,12 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = 
                         f'{hint}') from None
     finally:
         socket.setdefaulttimeout(previous_timeout)
-    return _cifar10_images(dataset)
+    return _cifar10_images(dataset, labels)
 
 
-def _cifar10_images(dataset) -> torch.Tensor:
-    return torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+def _cifar10_images(dataset, labels: bool = False):
+    images = torch.from_numpy(dataset.data).permute(0, 3, 1, 2).contiguous()  # (N, 32, 32, 3) -> (N, 3, 32, 32)
+    return (images, torch.tensor(dataset.targets, dtype=torch.long)) if labels else images
 
 
 def make_shapes(count: int, image_size: int = 32, seed: int = 0) -> torch.Tensor:
@@ -267,19 +311,24 @@ def flipped_in_training(name: str) -> bool:
     return name != 'digits'
 
 
-def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 8192) -> Dataset:
+def load_dataset(name: str, data_dir: str, image_size: int, shapes_count: int = 8192, labels: bool = False) -> Dataset:
     """The training set: an ImageTensorDataset, a lazily decoded ImageFolderDataset, or the
-    images of a .beton file (BetonDataset)."""
+    images of a .beton file (BetonDataset); with labels=True each image's class in its `labels`
+    (class_names names them; a set without labels is refused with one line)."""
+    if labels:
+        names = class_names(name, data_dir)  # the refusal of a set without labels, before any decoding
     if name == 'beton':
-        return BetonDataset(data_dir)
+        return BetonDataset(data_dir, labels)
     if name == 'cifar10':
-        return ImageTensorDataset(resize_images(load_cifar10(data_dir, train=True), image_size))
+        images, targets = load_cifar10(data_dir, train=True, labels=True)
+        return ImageTensorDataset(resize_images(images, image_size), *((targets, names) if labels else ()))
     if name == 'shapes':
         return ImageTensorDataset(make_shapes(shapes_count, image_size, seed=0))
     if name == 'digits':
-        return ImageTensorDataset(load_digits_split(image_size, heldout=False)[0])
+        images, targets = load_digits_split(image_size, heldout=False)
+        return ImageTensorDataset(images, *((targets.long(), names) if labels else ()))
     if name == 'folder':
-        dataset = ImageFolderDataset(data_dir, image_size)
+        dataset = ImageFolderDataset(data_dir, image_size, labels)
         check_images(dataset.paths)
         return dataset
     raise DataError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
@@ -366,12 +415,13 @@ class Loader:
 
     Each rank takes every world_size-th image of the epoch's permutation, and every epoch
     has num_images // world_size // batch_size full batches (drop-last). flip=False: no image
-    is flipped (the permutation is the same)."""
+    is flipped (the permutation is the same). Given `labels` ((N,) int64, on the host), each
+    batch comes with its images' labels on the device: (images, labels)."""
 
     def __init__(self, num_images: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
-                 flip: bool = True):
+                 flip: bool = True, labels: torch.Tensor = None):
         self.num_images, self.batch_size, self.seed = num_images, batch_size, seed
-        self.rank, self.world_size, self.flip = rank, world_size, flip
+        self.rank, self.world_size, self.flip, self.labels = rank, world_size, flip, labels
         self.batches_per_epoch = num_images // world_size // batch_size
         if self.batches_per_epoch < 1:
             raise DataError(f'batch size {batch_size * world_size} is larger than the data set '
@@ -384,19 +434,27 @@ class Loader:
         return permutation[self.rank:used:self.world_size], flips[self.rank:used:self.world_size]
 
 
+def as_batch(images: torch.Tensor, labels: torch.Tensor = None):
+    """A batch as the training loop takes it: the images, or (images, labels) for a labelled set."""
+    return images if labels is None else (images, labels)
+
+
 class GPULoader(Loader):
     """The whole uint8 set on the device; gather, flip and convert there: no host work per step."""
 
-    def __init__(self, images: torch.Tensor, batch_size: int, seed: int, device, rank=0, world_size=1, flip=True):
-        super().__init__(len(images), batch_size, seed, rank, world_size, flip)
+    def __init__(self, images: torch.Tensor, batch_size: int, seed: int, device, rank=0, world_size=1, flip=True,
+                 labels: torch.Tensor = None):
+        super().__init__(len(images), batch_size, seed, rank, world_size, flip, labels)
         self.images = images.to(device)
+        self.device_labels = labels.to(device) if labels is not None else None
         self.device = device
 
     def epoch(self, epoch: int, start: int = 0):
         indices, flips = (to_device_async(t, self.device) for t in self.shard(epoch))
         for b in range(start, self.batches_per_epoch):
             batch = slice(b * self.batch_size, (b + 1) * self.batch_size)
-            yield to_model_input(self.images[indices[batch]], flips[batch])
+            labels = self.device_labels[indices[batch]] if self.device_labels is not None else None
+            yield as_batch(to_model_input(self.images[indices[batch]], flips[batch]), labels)
 
 
 class _BatchList:
@@ -417,8 +475,8 @@ class TorchLoader(Loader):
     the conversion to float and the flips happen on the device."""
 
     def __init__(self, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
-                 rank=0, world_size=1, flip=True):
-        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip)
+                 rank=0, world_size=1, flip=True, labels: torch.Tensor = None):
+        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip, labels)
         self.device = torch.device(device)
         self.batch_list = _BatchList()
         # Its own generator: the DataLoader draws a worker seed per epoch, which must not move
@@ -433,8 +491,9 @@ class TorchLoader(Loader):
         self.batch_list.batches = [indices[b * self.batch_size:(b + 1) * self.batch_size].tolist()
                                    for b in range(start, self.batches_per_epoch)]
         for b, images in zip(range(start, self.batches_per_epoch), self.loader):
-            yield to_model_input(images.to(self.device, non_blocking=True),
-                                 flips[b * self.batch_size:(b + 1) * self.batch_size])
+            batch = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            labels = to_device_async(self.labels[indices[batch]], self.device) if self.labels is not None else None
+            yield as_batch(to_model_input(images.to(self.device, non_blocking=True), flips[batch]), labels)
 
 
 def choose_loader(kind: str, dataset_bytes: int, device) -> str:
@@ -472,8 +531,9 @@ def _require_ffcv():
 
 
 class _HWCImages:
-    """A data set seen as FFCV's writer wants it: index -> (H, W, 3 uint8 array,). FFCV's image
-    field holds three channels: a one-channel image is stored grey in all three."""
+    """A data set seen as FFCV's writer wants it: index -> (H, W, 3 uint8 array,), and its label
+    after it for a labelled set. FFCV's image field holds three channels: a one-channel image is
+    stored grey in all three."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -482,18 +542,23 @@ class _HWCImages:
         return len(self.dataset)
 
     def __getitem__(self, index):
-        return (self.dataset[index].expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy(),)
+        image = self.dataset[index].expand(3, -1, -1).permute(1, 2, 0).contiguous().numpy()
+        labels = getattr(self.dataset, 'labels', None)
+        return (image,) if labels is None else (image, int(labels[index]))
 
 
 def write_beton(dataset: Dataset, path: str, jpeg: bool = False, jpeg_quality: int = 90, num_workers: int = 4):
-    """Writes every image of a data set to an FFCV .beton file (raw RGB, or JPEG), through a
+    """Writes every image of a data set to an FFCV .beton file (raw RGB, or JPEG), and its labels
+    where it has them (a 'label' field: the class indices; their names are not kept), through a
     temporary file: a killed write leaves no truncated .beton behind."""
     _require_ffcv()
-    from ffcv.fields import RGBImageField
+    from ffcv.fields import IntField, RGBImageField
     from ffcv.writer import DatasetWriter
-    field = RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)
+    fields = {'image': RGBImageField(write_mode='jpg' if jpeg else 'raw', jpeg_quality=jpeg_quality)}
+    if getattr(dataset, 'labels', None) is not None:
+        fields['label'] = IntField()
     with atomic_path(path, unique=True) as tmp:  # concurrent writers of one .beton never share a file
-        DatasetWriter(tmp, {'image': field}, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
+        DatasetWriter(tmp, fields, num_workers=num_workers).from_indexed_dataset(_HWCImages(dataset))
 
 
 def _ffcv_pipeline(device):
@@ -515,17 +580,24 @@ class _FixedOrder:
 
 
 class BetonDataset(Dataset):
-    """The images of a .beton file as a data set of uint8 (3, H, W) tensors (decoded by FFCV)."""
+    """The images of a .beton file as a data set of uint8 (3, H, W) tensors (decoded by FFCV). Its
+    label field, where it has one, is read from the file's metadata (no decoding): `class_names`
+    are then the indices 0..K-1 as text, and with labels=True `labels` holds them."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, labels: bool = False):
         _require_ffcv()
         if not os.path.isfile(path):
             raise DataError(f'.beton file {path!r} does not exist: write one with python data.py --write-beton')
         from ffcv.reader import Reader
         try:
-            self.path, self.count = path, Reader(path).num_samples
+            reader = Reader(path)
+            self.path, self.count = path, reader.num_samples
+            field = reader.field_names.index('label') if 'label' in reader.field_names else None
+            stored = None if field is None else torch.from_numpy(reader.metadata[f'f{field}'].astype(np.int64))
         except Exception as error:
             raise DataError(f'cannot read {path!r} as an FFCV .beton file: {brief(error)}') from None
+        self.class_names = None if stored is None else [str(i) for i in range(int(stored.max()) + 1)]
+        self.labels = stored if labels else None
 
     def __len__(self):
         return self.count
@@ -535,7 +607,7 @@ class BetonDataset(Dataset):
         from ffcv.loader import OrderOption
         indices = list(indices)
         loader = FFCVLoaderBase(self.path, batch_size=len(indices), num_workers=1, order=OrderOption.SEQUENTIAL,
-                                indices=indices, pipelines={'image': _ffcv_pipeline('cpu')})
+                                indices=indices, pipelines={'image': _ffcv_pipeline('cpu'), 'label': None})
         (batch,) = next(iter(loader))
         return batch.clone()
 
@@ -553,36 +625,40 @@ class FFCVLoader(Loader):
     loaders' (flips and conversion run on the device, like theirs)."""
 
     def __init__(self, dataset: BetonDataset, batch_size: int, seed: int, device, num_workers: int = 4,
-                 rank=0, world_size=1, flip=True):
+                 rank=0, world_size=1, flip=True, labels: torch.Tensor = None):
         import numba
         from ffcv.loader import Loader as FFCVLoaderBase
         from ffcv.loader import OrderOption
-        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip)
+        super().__init__(len(dataset), batch_size, seed, rank, world_size, flip, labels)
         self.device = torch.device(device)
         self.num_workers = max(1, min(num_workers, numba.config.NUMBA_NUM_THREADS))  # numba's ceiling: the cores
         self.ffcv = FFCVLoaderBase(dataset.path, batch_size=batch_size, num_workers=self.num_workers, drop_last=True,
                                    order=OrderOption.SEQUENTIAL, os_cache=True,
-                                   pipelines={'image': _ffcv_pipeline(self.device)})
+                                   pipelines={'image': _ffcv_pipeline(self.device), 'label': None})
 
     def epoch(self, epoch: int, start: int = 0):
         indices, flips = self.shard(epoch)
         self.ffcv.traversal_order = _FixedOrder(indices[start * self.batch_size:].numpy())
         flips = flips.to(self.device)
         for b, (images,) in zip(range(start, self.batches_per_epoch), self.ffcv):
-            yield to_model_input(images, flips[b * self.batch_size:(b + 1) * self.batch_size])
+            batch = slice(b * self.batch_size, (b + 1) * self.batch_size)
+            labels = to_device_async(self.labels[indices[batch]], self.device) if self.labels is not None else None
+            yield as_batch(to_model_input(images, flips[batch]), labels)
 
 
 def make_loader(kind: str, dataset: Dataset, batch_size: int, seed: int, device, num_workers: int = 4,
                 rank: int = 0, world_size: int = 1, progress: bool = True, flip: bool = True):
+    """The loader `kind` of a data set; with the set's labels where it holds them (load_dataset(labels=True))."""
+    labels = getattr(dataset, 'labels', None)
     if kind == 'gpu':
-        return GPULoader(dataset_images(dataset, progress), batch_size, seed, device, rank, world_size, flip)
+        return GPULoader(dataset_images(dataset, progress), batch_size, seed, device, rank, world_size, flip, labels)
     if kind == 'torch':
-        return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip)
+        return TorchLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip, labels)
     if kind == 'ffcv':
         if not isinstance(dataset, BetonDataset):
             raise DataError('--loader ffcv reads a .beton file: pass --data-dir FILE.beton '
                             '(write one with python data.py --write-beton FILE.beton --dataset ...)')
-        return FFCVLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip)
+        return FFCVLoader(dataset, batch_size, seed, device, num_workers, rank, world_size, flip, labels)
     raise DataError(f"unknown loader {kind!r}; choose one of {', '.join(LOADERS)}")
 
 
@@ -608,10 +684,17 @@ def write_beton_main(cfg: BetonConfig):
     if os.path.isdir(cfg.write_beton):
         raise ConfigError(f'--write-beton {cfg.write_beton}: a folder; pass the path of the .beton file to write')
     check_writable(os.path.dirname(os.path.abspath(cfg.write_beton)), '--write-beton')
-    dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
+    try:  # labels where the set has them, for class-conditional training from the .beton
+        dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count, labels=True)
+    except DataError as unlabelled:
+        if cfg.dataset == 'folder' and not os.path.isdir(cfg.data_dir):
+            raise
+        dataset = load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
+        print(f'no labels written: {str(unlabelled).removeprefix("--class-cond: ")}')
     write_beton(dataset, cfg.write_beton, cfg.jpeg, cfg.jpeg_quality, cfg.num_workers)
-    print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}) '
-          f'to {cfg.write_beton}')
+    labels = f', labels of {len(dataset.class_names)} classes' if getattr(dataset, 'labels', None) is not None else ''
+    print(f'wrote {len(dataset)} images ({cfg.image_size}x{cfg.image_size}, {"JPEG" if cfg.jpeg else "raw RGB"}'
+          f'{labels}) to {cfg.write_beton}')
 
 
 def main(argv=None) -> int:

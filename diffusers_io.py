@@ -3,7 +3,7 @@ folder with one under unet/, as our UNet; its scheduler's settings; our UNet exp
 DDPMPipeline folder), and the two peers benchmark.py times beside our fastest row: UNet2DModel as
 a model of ours (DiffusersUNet) and the training loop of diffusers' example (recipe_*). The two
 networks compute the same function (tests/test_model.py); only the names and the layout of the
-weights differ (ours fuses q, k and v into one 1x1 conv)."""
+weights differ (ours fuses q, k and v into one linear layer)."""
 import json
 import math
 import os
@@ -31,7 +31,7 @@ _DIFFUSERS_REQUIRED = {
     'center_input_sample': False, 'time_embedding_type': 'positional', 'freq_shift': 1, 'flip_sin_to_cos': False,
     'mid_block_type': 'UNetMidBlock2D', 'mid_block_scale_factor': 1, 'downsample_padding': 0,
     'downsample_type': 'conv', 'upsample_type': 'conv', 'act_fn': 'silu', 'norm_eps': NORM_EPS,
-    'resnet_time_scale_shift': 'default', 'add_attention': True, 'class_embed_type': None, 'num_class_embeds': None,
+    'resnet_time_scale_shift': 'default', 'add_attention': True, 'class_embed_type': None,
 }
 
 
@@ -51,7 +51,8 @@ def diffusers_config(config: UNetConfig) -> dict:
         down_block_types=tuple('AttnDownBlock2D' if a else 'DownBlock2D' for a in has_attn),
         up_block_types=tuple('AttnUpBlock2D' if a else 'UpBlock2D' for a in reversed(has_attn)),
         attention_head_dim=None if config.num_heads == 1 else max(attn_channels) // config.num_heads,
-        norm_num_groups=config.norm_groups, dropout=config.dropout, **_DIFFUSERS_REQUIRED)
+        norm_num_groups=config.norm_groups, dropout=config.dropout,
+        num_class_embeds=config.num_classes + 1 if config.num_classes else None, **_DIFFUSERS_REQUIRED)
 
 
 class DiffusersConfigError(ValueError):
@@ -79,6 +80,12 @@ def config_from_diffusers(theirs: dict, attention: str = 'sdpa') -> UNetConfig:
         _check_positive_int('block_out_channels', value)
     if get('attention_head_dim') is not None:
         _check_positive_int('attention_head_dim', get('attention_head_dim'))
+    class_embeds = get('num_class_embeds')
+    if class_embeds is not None:  # the last embedding is read as 'no class', as ours
+        _check_positive_int('num_class_embeds', class_embeds)
+        if class_embeds < 3:
+            raise DiffusersConfigError(f'num_class_embeds={class_embeds!r}: at least 2 classes and the "no class" '
+                                       f'embedding are needed')
     dropout = get('dropout')
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
         raise DiffusersConfigError(f'dropout={dropout!r}: a number in [0, 1)')
@@ -113,7 +120,7 @@ def config_from_diffusers(theirs: dict, attention: str = 'sdpa') -> UNetConfig:
                           blocks_per_level=get('layers_per_block'),
                           attn_resolutions=tuple(size // 2 ** i for i, d in enumerate(down) if d == 'AttnDownBlock2D'),
                           num_heads=heads.pop(), dropout=get('dropout'), norm_groups=get('norm_num_groups'),
-                          attention=attention)
+                          attention=attention, num_classes=class_embeds - 1 if class_embeds else 0)
     except ValueError as error:
         raise DiffusersConfigError(str(error)) from None
 
@@ -127,6 +134,8 @@ def _check_positive_int(key: str, value):
 def diffusers_module_names(model: UNet) -> list:
     """(our module, UNet2DModel's module) for every layer that holds weights, in order."""
     names = [('temb.0', 'time_embedding.linear_1'), ('temb.2', 'time_embedding.linear_2'), ('conv_in', 'conv_in')]
+    if model.class_emb is not None:
+        names.append(('class_emb', 'class_embedding'))
     for ours, theirs, sampler in (('down', 'down_blocks', 'downsamplers'), ('up', 'up_blocks', 'upsamplers')):
         level, index = 0, 0
         for i, block in enumerate(getattr(model, ours)):
@@ -152,7 +161,7 @@ _OLD_ATTENTION_NAMES = {'query': 'to_q', 'key': 'to_k', 'value': 'to_v', 'proj_a
 def _weight_pairs(model: UNet) -> tuple:
     """(pairs, attention) for mapping weights between our UNet and UNet2DModel: (our key, their
     key) of every tensor that maps one to one, and (our module, theirs, channels) of each
-    attention block, whose q, k and v projections ours fuses into one 1x1 conv."""
+    attention block, whose q, k and v projections ours fuses into one linear layer."""
     pairs, attention = [], []
     for our_name, their_name in diffusers_module_names(model):
         module = model.get_submodule(our_name)
@@ -164,13 +173,14 @@ def _weight_pairs(model: UNet) -> tuple:
             parts = [(f'{our_name}.norm', f'{their_name}.group_norm')]
         else:
             parts = [(our_name, their_name)]
-        pairs += [(f'{a}.{p}', f'{b}.{p}') for a, b in parts for p in ('weight', 'bias')]
+        kinds = ('weight',) if isinstance(module, nn.Embedding) else ('weight', 'bias')
+        pairs += [(f'{a}.{p}', f'{b}.{p}') for a, b in parts for p in kinds]
     return pairs, attention
 
 
 def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
     """A UNet2DModel state dict as our UNet's state dict (same function, our layout: the
-    three attention projections fused into one 1x1 conv)."""
+    three attention projections fused into one matmul)."""
     theirs = {_new_attention_name(k): v for k, v in theirs.items()}
     used = set()
 
@@ -183,7 +193,7 @@ def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
     pairs, attention = _weight_pairs(model)
     ours = {a: take(b) for a, b in pairs}
     for our_name, their_name, channels in attention:
-        for p, shape in (('weight', (channels, channels, 1, 1)), ('bias', (channels,))):
+        for p, shape in (('weight', (channels, channels)), ('bias', (channels,))):
             ours[f'{our_name}.qkv.{p}'] = torch.cat([take(f'{their_name}.to_{x}.{p}') for x in 'qkv']).reshape(
                 (3 * channels, *shape[1:]))
             ours[f'{our_name}.proj.{p}'] = take(f'{their_name}.to_out.0.{p}').reshape(shape)
@@ -195,7 +205,7 @@ def state_dict_from_diffusers(model: UNet, theirs: dict) -> dict:
 
 def state_dict_to_diffusers(model: UNet) -> dict:
     """Our UNet's weights under UNet2DModel's names and shapes: the inverse of
-    state_dict_from_diffusers (the fused q, k, v conv split into three linear layers)."""
+    state_dict_from_diffusers (the fused q, k, v layer split into three)."""
     ours = model.state_dict()
     pairs, attention = _weight_pairs(model)
     theirs = {b: ours[a] for a, b in pairs}

@@ -191,7 +191,7 @@ def immiscible_noise(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, per_example=False,
                   prediction: str = 'eps', loss_weight: str = 'uniform', snr_gamma: float = 5.0,
                   t_probs: torch.Tensor = None, t_reweight: bool = False,
-                  input_perturbation: float = 0.0) -> torch.Tensor:
+                  input_perturbation: float = 0.0, labels: torch.Tensor = None) -> torch.Tensor:
     """L_simple (eq. 14, Algorithm 1): MSE between the model's output and its target (the noise, or
     v with prediction='v'), with t uniform on {0, ..., T-1} and eps ~ N(0, I) unless given; with
     loss_weight='min-snr' each image's MSE is weighted by loss_weight_table at its t, a table
@@ -199,7 +199,8 @@ def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, 
     t_probs: t drawn from this (T,) table instead (timestep_probabilities), weighted by
     (1/T) / p(t) with t_reweight, so that the objective stays L_simple's. input_perturbation gamma
     (Ning et al. 2023, DDPM-IP): the network sees x_t made with eps + gamma xi, xi ~ N(0, I), and
-    still learns the target of eps alone. A scalar, or (B,) per image."""
+    still learns the target of eps alone. labels: the images' classes, for a class-conditional
+    network (drop_labels decides which it sees). A scalar, or (B,) per image."""
     if t is None:
         t = (torch.randint(0, sched.num_steps, (x0.shape[0],), device=x0.device) if t_probs is None
              else torch.multinomial(t_probs.float(), x0.shape[0], replacement=True))
@@ -207,7 +208,8 @@ def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, 
         noise = torch.randn_like(x0)
     target = prediction_target(sched, x0, t, noise, prediction)
     seen = noise + input_perturbation * torch.randn_like(x0) if input_perturbation else noise
-    squared_error = (model(q_sample(sched, x0, t, seen), t).float() - target).square()
+    xt = q_sample(sched, x0, t, seen)
+    squared_error = ((model(xt, t) if labels is None else model(xt, t, labels)).float() - target).square()
     if loss_weight == 'uniform' and not t_reweight:  # L_simple exactly as the paper computes it
         return squared_error.flatten(1).mean(1) if per_example else squared_error.mean()
     per_image = squared_error.flatten(1).mean(1)
@@ -216,6 +218,37 @@ def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, 
         weights = weights / (sched.num_steps * t_probs)
     per_image = per_image * _gather(weights, t, per_image)
     return per_image if per_example else per_image.mean()
+
+
+def drop_labels(labels: torch.Tensor, probability: float, null_label: int) -> torch.Tensor:
+    """Classifier-free guidance's training (Ho & Salimans 2022, Algorithm 1): each label replaced by
+    the 'no class' label with `probability` (p_uncond), so that one network learns the conditional
+    and the unconditional model. Drawn on the labels' device: no host sync."""
+    dropped = torch.rand(labels.shape, device=labels.device) < probability
+    return torch.where(dropped, torch.full_like(labels, null_label), labels)
+
+
+def guided(model, labels: torch.Tensor, scale: float, null_label: int):
+    """Classifier-free guidance (Ho & Salimans 2022, eq. 6) as a model(x_t, t) that every sampler
+    calls as it calls the network:
+
+        out = out(x_t, t, no class) + scale * (out(x_t, t, c) - out(x_t, t, no class))
+
+    diffusers' guidance_scale convention: scale 1 is the conditional model alone, 0 the
+    unconditional one, above 1 guidance (the paper's w is scale - 1: (1 + w) out_c - w out_u).
+    Applied to the network's output, eps or v: at a fixed x_t each is an affine function of the
+    other with the same coefficients for both terms, and the weights (1 - scale, scale) sum to 1,
+    so guiding v is guiding eps. The conditional and unconditional halves run as one batched call."""
+    null = torch.full_like(labels, null_label)
+    if scale == 1:
+        return lambda xt, t: model(xt, t, labels)
+    if scale == 0:
+        return lambda xt, t: model(xt, t, null)
+
+    def output_of(xt, t):
+        conditional, unconditional = model(torch.cat([xt, xt]), torch.cat([t, t]), torch.cat([labels, null])).chunk(2)
+        return unconditional + scale * (conditional - unconditional)
+    return output_of
 
 
 def as_eps_model(model, sched: Schedule, prediction: str = 'eps'):

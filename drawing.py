@@ -1,6 +1,7 @@
-"""Drawing N images from a model in seeded batches: batch i's noise comes from (seed, i) alone, so
-the same images come out for any split across ranks or a continued run; a non-finite batch is refused.
-And grids of them as one PNG (train.py's per-epoch grid, sample.py --grid)."""
+"""Drawing N images from a model in seeded batches: batch i's noise comes from (seed, i) alone (and
+for a class-conditional model image i's class from i alone), so the same images come out for any
+split across ranks or a continued run; a non-finite batch is refused. And grids of them as one PNG
+(train.py's per-epoch grid, sample.py --grid), a row per class for a class-conditional model."""
 import math
 import typing
 from dataclasses import dataclass
@@ -29,6 +30,25 @@ class Sampling:
     variance: str = 'fixedlarge'
     clip: str = 'auto'
     amp: str = 'auto'
+    label: int = -1  # a class-conditional model's class for every image; -1: each class in turn
+    guidance: float = 1.0  # classifier-free guidance scale (diffusion.guided; 1: the conditional model alone)
+
+
+def class_labels(first: int, count: int, num_classes: int, label: int = -1) -> torch.Tensor:
+    """The classes asked of images first, ..., first + count - 1 of a draw: `label` for all of them,
+    or with label=-1 each class in turn (image i: class i mod num_classes)."""
+    if label >= 0:
+        return torch.full((count,), label, dtype=torch.long)
+    return torch.arange(first, first + count) % num_classes
+
+
+def conditioned(model, config: UNetConfig, first: int, count: int, label: int, guidance: float, device):
+    """The model as the samplers call it, model(x_t, t): as it is, or for a class-conditional one
+    guided towards the classes class_labels asks of these images."""
+    if not config.num_classes:
+        return model
+    labels = class_labels(first, count, config.num_classes, label).to(device)
+    return diffusion.guided(model, labels, guidance, config.num_classes)
 
 
 def sampling_amp(amp: str, device: torch.device) -> str:
@@ -68,6 +88,7 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: Sampling, device, start: i
     shape = (min(cfg.batch_size, cfg.num - start), config.in_channels, config.image_size, config.image_size)
     seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
     generator = torch.Generator(device).manual_seed(seed)
+    model = conditioned(model, config, start, shape[0], cfg.label, cfg.guidance, device)
     with autocast(sampling_amp(cfg.amp, device), device):
         x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta, cfg.spacing,
                                   cfg.variance, prediction, clip=None if cfg.clip == 'auto' else cfg.clip)
@@ -87,11 +108,17 @@ def to_uint8(x: torch.Tensor) -> torch.Tensor:
 GRID_LIMIT = 4096  # images in one grid PNG (it is held in memory)
 
 
-def write_grid_png(images: torch.Tensor, path: str):
-    """uint8 (B, C, H, W) images as one square-ish grid PNG: RGB, or grey ('L') for one channel."""
+def write_grid_png(images: torch.Tensor, path: str, num_classes: int = 0):
+    """uint8 (B, C, H, W) images as one square-ish grid PNG: RGB, or grey ('L') for one channel.
+    num_classes: images drawn with each class in turn (class_labels), laid out a row per class
+    (when each class has as many)."""
     from PIL import Image
     from torchvision.utils import make_grid
-    grid = make_grid(images, nrow=max(1, int(math.sqrt(len(images)))))  # (3, H', W'): one channel repeated
+    per_row = max(1, int(math.sqrt(len(images))))
+    if num_classes and len(images) % num_classes == 0:  # image i is class i mod K: row c holds c, c + K, ...
+        per_row = len(images) // num_classes
+        images = images.reshape(per_row, num_classes, *images.shape[1:]).transpose(0, 1).flatten(0, 1)
+    grid = make_grid(images, nrow=per_row)  # (3, H', W'): one channel repeated
     pixels = grid[:images.shape[1]].permute(1, 2, 0).numpy()
     with atomic_open(path, 'wb') as f:
         Image.fromarray(pixels[:, :, 0] if images.shape[1] == 1 else pixels).save(f, format='png')
@@ -100,10 +127,16 @@ def write_grid_png(images: torch.Tensor, path: str):
 @torch.no_grad()
 def write_grid(model, sched: diffusion.Schedule, cfg, device, path: str):
     """train.py's sample grid: cfg.num_samples images of cfg.sampler from the same noise every
-    time (seed cfg.seed), in cfg.amp, as one PNG."""
-    shape = (cfg.num_samples, model.config.in_channels, cfg.image_size, cfg.image_size)
+    time (seed cfg.seed), in cfg.amp, as one PNG; a class-conditional model's with each class in
+    turn at cfg.guidance, a row per class (the count rounded down to a multiple of the classes)."""
+    config = model.config
+    count = cfg.num_samples
+    if config.num_classes:
+        count = max(1, count // config.num_classes) * config.num_classes
+    shape = (count, config.in_channels, cfg.image_size, cfg.image_size)
     generator = torch.Generator(device).manual_seed(cfg.seed)
+    model = conditioned(model, config, 0, count, -1, cfg.guidance, device)
     with autocast(cfg.amp, device):
         images = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.sample_steps, generator, device,
                                        prediction=cfg.prediction)
-    write_grid_png(to_uint8(images), path)
+    write_grid_png(to_uint8(images), path, config.num_classes)

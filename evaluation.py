@@ -209,10 +209,13 @@ class DigitsJudge:
 
     def __init__(self, image_size: int, cache_dir: str):
         self.classifier, self.accuracy = digits_classifier(image_size, cache_dir)
-        self.reference = self.features(data.load_digits_split(image_size, heldout=False)[0])
+        images, self.reference_labels = data.load_digits_split(image_size, heldout=False)
+        self.reference = self.features(images)
         self.reference_stats = statistics(self.reference)
         # The floor: real digits the classifier never saw (the 450 held-out ones) against the same statistics.
-        self.floor = self.score(self.features(data.load_digits_split(image_size, heldout=True)[0]))
+        heldout, self.heldout_labels = data.load_digits_split(image_size, heldout=True)
+        self.heldout = self.features(heldout)
+        self.floor = self.score(self.heldout)
 
     @torch.no_grad()
     def features(self, images: torch.Tensor) -> np.ndarray:
@@ -231,6 +234,45 @@ class DigitsJudge:
                 'digits_class_entropy': abs((shares * shares.log2()).sum().item()), 'digits_samples': len(features),
                 'digits_features': f'digits classifier v{DIGITS_CLASSIFIER_VERSION} (64 features, held-out '
                                    f'accuracy {self.accuracy:.4f})'}
+
+
+    @torch.no_grad()
+    def conditioning(self, images: torch.Tensor, asked: torch.Tensor) -> dict:
+        """Whether each image is the digit asked of it (a class-conditional model's samples): the share
+        the classifier labels as the class asked, overall and per class, and each class's digits FD
+        against the training split's digits of that class. Beside them: the floor, the held-out real
+        digits with their true labels (the classifier's own accuracy and the per-class FDs of real
+        digits), and a control that must fail, the same samples judged against shuffled labels
+        (about 10% for balanced classes)."""
+        features, asked = self.features(images), asked.cpu().long()
+        judged = self.classifier.head(torch.from_numpy(features).float()).argmax(1)
+        heldout_judged = self.classifier.head(torch.from_numpy(self.heldout).float()).argmax(1)
+        shuffled = asked[torch.randperm(len(asked), generator=torch.Generator().manual_seed(0))]
+        per_class = {}
+        for c in sorted(set(asked.tolist())):
+            reference = statistics(self.reference[(self.reference_labels == c).numpy()])
+            real = (self.heldout_labels == c).numpy()
+            mine = (asked == c).numpy()
+            per_class[c] = {'accuracy': (judged[mine] == c).double().mean().item(), 'samples': int(mine.sum()),
+                            'digits_fd': frechet_distance(statistics(features[mine]), reference) if mine.sum() > 1
+                            else None,
+                            'floor_accuracy': (heldout_judged[real] == c).double().mean().item(),
+                            'floor_digits_fd': frechet_distance(statistics(self.heldout[real]), reference)}
+        return {'accuracy': (judged == asked).double().mean().item(), 'samples': len(images),
+                'shuffled_labels_accuracy': (judged == shuffled).double().mean().item(),
+                'floor_accuracy': (heldout_judged == self.heldout_labels).double().mean().item(),
+                'per_class': per_class}
+
+
+def conditioning_summary(result: dict, guidance: float) -> str:
+    """DigitsJudge.conditioning in a few lines."""
+    classes = ', '.join(f"{c}: {r['accuracy']:.0%}" for c, r in result['per_class'].items())
+    fds = ', '.join(f"{c}: {r['digits_fd']:.1f} ({r['floor_digits_fd']:.1f})" for c, r in result['per_class'].items()
+                    if r['digits_fd'] is not None)
+    return (f"judged as the digit asked (guidance {guidance:g}): {result['accuracy']:.1%} of {result['samples']} "
+            f"samples (floor, held-out real digits: {result['floor_accuracy']:.1%}; control, the samples against "
+            f"shuffled labels: {result['shuffled_labels_accuracy']:.1%}); per class {classes}\n"
+            f"digits FD per class against the training digits of that class (floor in brackets): {fds}")
 
 
 # ----------------------------------------------------------------------------- bits/dim
@@ -393,8 +435,9 @@ class Evaluator:
         if self.extractor is not None and run.rank == 0:
             self.reference = reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, self.extractor,
                                                   self.batch_size)
+        # A class-conditional model draws each class in turn at --guidance: the score is of all classes together.
         self.sampling = Sampling(num=cfg.eval_samples, batch_size=self.batch_size, sampler=cfg.sampler,
-                                 steps=cfg.sample_steps, seed=cfg.seed, amp='auto')
+                                 steps=cfg.sample_steps, seed=cfg.seed, amp='auto', guidance=cfg.guidance or 1.0)
 
     @property
     def batch_size(self) -> int:

@@ -34,12 +34,16 @@ class UNetConfig:
     dropout: float = 0.1
     norm_groups: int = 32
     attention: str = 'sdpa'  # 'sdpa' (F.scaled_dot_product_attention) or 'manual'
+    num_classes: int = 0  # > 0: class-conditional, with one more embedding for 'no class' (guidance)
+    fused_norm: bool = False  # GroupNorm (+ add, + SiLU) as one Triton kernel (kernels.py); no GPU measurement yet
 
     def __post_init__(self):
         if self.attention not in ('sdpa', 'manual'):
             raise ValueError(f"attention must be 'sdpa' or 'manual', got {self.attention!r}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f'dropout must be in [0, 1), got {self.dropout}')
+        if isinstance(self.num_classes, bool) or not isinstance(self.num_classes, int) or self.num_classes < 0:
+            raise ValueError(f'num_classes must be an integer >= 0, got {self.num_classes!r}')
         factor = 2 ** (len(self.channel_mults) - 1)
         if self.image_size < factor or self.image_size % factor:
             raise ValueError(
@@ -100,9 +104,23 @@ def _norm(groups: int, channels: int) -> nn.GroupNorm:
     return nn.GroupNorm(groups, channels, eps=NORM_EPS)
 
 
+def norm_act(norm: nn.GroupNorm, x: torch.Tensor, fused: bool, silu: bool = True, add: torch.Tensor = None):
+    """silu(norm(x + add[:, :, None, None])), the SiLU and the add optional: PyTorch's ops, or with
+    `fused` one kernel that reads and writes the activation once (kernels.group_norm_act: Triton on
+    CUDA, the same ops elsewhere)."""
+    if fused:
+        from kernels import group_norm_act  # Triton is imported only where the kernel is asked for
+        return group_norm_act(x, norm.weight, norm.bias, norm.num_groups, norm.eps, add, silu)
+    if add is not None:
+        x = x + add[:, :, None, None]  # (B, C, 1, 1) broadcast over H, W
+    x = norm(x)
+    return F.silu(x) if silu else x
+
+
 class ResBlock(nn.Module):
-    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int):
+    def __init__(self, in_ch: int, out_ch: int, temb_ch: int, dropout: float, groups: int, fused_norm: bool = False):
         super().__init__()
+        self.fused_norm = fused_norm
         self.norm1 = _norm(groups, in_ch)
         self.conv1 = _init(nn.Conv2d(in_ch, out_ch, 3, padding=1))
         self.temb_proj = _init(nn.Linear(temb_ch, out_ch))
@@ -114,49 +132,53 @@ class ResBlock(nn.Module):
         self.skip = _init(nn.Conv2d(in_ch, out_ch, 1)) if in_ch != out_ch else nn.Identity()
 
     def forward(self, x, temb):
-        h = self.conv1(F.silu(self.norm1(x)))
-        h = h + self.temb_proj(F.silu(temb))[:, :, None, None]  # (B, C, 1, 1) broadcast over H, W
-        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        h = self.conv1(norm_act(self.norm1, x, self.fused_norm))
+        h = norm_act(self.norm2, h, self.fused_norm, add=self.temb_proj(F.silu(temb)))  # the timestep added first
+        h = self.conv2(self.dropout(h))
         return self.skip(x) + h
 
 
 class AttnBlock(nn.Module):
-    def __init__(self, channels: int, num_heads: int, groups: int, attention: str):
+    def __init__(self, channels: int, num_heads: int, groups: int, attention: str, fused_norm: bool = False):
         super().__init__()
+        self.fused_norm = fused_norm
         self.num_heads = num_heads
         self.attention = attention
         self.norm = _norm(groups, channels)
-        # One 1x1 conv for q, k and v: one matmul instead of three. Each third is initialised
-        # as the paper's separate q, k and v layers (fans C and C, not C and 3C).
-        self.qkv = nn.Conv2d(channels, 3 * channels, 1)
+        # q, k and v as one matmul in token layout, as diffusers' Linear layers (the paper's 1x1 'nin'
+        # layers are the same function). Each third is initialised as the paper's separate q, k and v.
+        self.qkv = nn.Linear(channels, 3 * channels)
         for part in self.qkv.weight.data.chunk(3):
             variance_scaling_(part, fans=(channels, channels))
         nn.init.zeros_(self.qkv.bias)
-        self.proj = _init(nn.Conv2d(channels, channels, 1), ZERO_INIT_SCALE)
+        self.proj = _init(nn.Linear(channels, channels), ZERO_INIT_SCALE)
+        self._register_load_state_dict_pre_hook(_conv_weights_as_linear)
 
     def forward(self, x):
         B, C, H, W = x.shape
         heads, head_dim = self.num_heads, C // self.num_heads
-        tokens = self.qkv(self.norm(x)).flatten(2).transpose(1, 2)  # (B, HW, 3C), a view
-        # The fused SDPA kernels (flash, memory-efficient, cuDNN) need a unit stride on the
-        # last dimension, or SDPA falls back to the math kernel: channels-last gives it for
-        # free, NCHW pays one copy of q, k and v together.
-        channels_last = tokens.stride(-1) == 1
-        if not channels_last:
-            tokens = tokens.contiguous()
-        q, k, v = tokens.unflatten(2, (3, heads, head_dim)).permute(2, 0, 3, 1, 4)  # each (B, heads, HW, head_dim)
+        # Token layout without a copy: in NCHW a transposed view that the matmul reads as it is; in
+        # channels-last already (B, HW, C) in memory.
+        tokens = norm_act(self.norm, x, self.fused_norm, silu=False).flatten(2).transpose(1, 2)  # (B, HW, C)
+        qkv = self.qkv(tokens)  # (B, HW, 3C), contiguous: q, k and v get the unit last stride SDPA's kernels need
+        q, k, v = qkv.unflatten(2, (3, heads, head_dim)).permute(2, 0, 3, 1, 4)  # each (B, heads, HW, head_dim)
         if self.attention == 'sdpa':
             h = F.scaled_dot_product_attention(q, k, v)
         else:
             weights = (q @ k.transpose(-1, -2)) * head_dim ** -0.5  # (B, heads, HW, HW)
             h = weights.softmax(dim=-1) @ v  # (B, heads, HW, head_dim)
-        # Back in the input's layout (a mixed-layout conv pays for conversions): no copy in
-        # channels-last with one head, one in NCHW.
-        if channels_last:
-            h = h.transpose(1, 2).reshape(B, H, W, C).permute(0, 3, 1, 2)  # (B, C, H, W), NHWC in memory
-        else:
-            h = h.transpose(-1, -2).reshape(B, C, H, W).contiguous()
-        return x + self.proj(h)
+        h = self.proj(h.transpose(1, 2).reshape(B, H * W, C))  # (B, HW, C); a view with one head
+        # Back to (B, C, H, W) as a view (NHWC in memory): the layout change is folded into the residual add.
+        return x + h.transpose(1, 2).unflatten(2, (H, W))
+
+
+def _conv_weights_as_linear(state_dict, prefix, *args):
+    """Checkpoints written when q, k, v and the output projection were 1x1 convs, (out, in, 1, 1):
+    the same numbers as the Linear layers' (out, in) weights."""
+    for name in ('qkv.weight', 'proj.weight'):
+        weight = state_dict.get(prefix + name)
+        if weight is not None and weight.dim() == 4 and weight.shape[2:] == (1, 1):
+            state_dict[prefix + name] = weight.flatten(1)
 
 
 class Downsample(nn.Module):
@@ -186,13 +208,16 @@ class UNet(nn.Module):
         ch, groups = config.base_channels, config.norm_groups
         temb_ch = 4 * ch
         self.temb = nn.Sequential(_init(nn.Linear(ch, temb_ch)), nn.SiLU(), _init(nn.Linear(temb_ch, temb_ch)))
+        # Class-conditional: an embedding per class and one for 'no class' (index num_classes), added to
+        # the timestep embedding (diffusers' UNet2DModel with num_class_embeds; initialised as its N(0, 1)).
+        self.class_emb = nn.Embedding(config.num_classes + 1, temb_ch) if config.num_classes else None
         self.conv_in = _init(nn.Conv2d(config.in_channels, ch, 3, padding=1))
 
         def res(in_ch, out_ch):
-            return ResBlock(in_ch, out_ch, temb_ch, config.dropout, groups)
+            return ResBlock(in_ch, out_ch, temb_ch, config.dropout, groups, config.fused_norm)
 
         def attn(channels):
-            return AttnBlock(channels, config.num_heads, groups, config.attention)
+            return AttnBlock(channels, config.num_heads, groups, config.attention, config.fused_norm)
 
         # Down path: every block's output is kept for a skip connection.
         self.down = nn.ModuleList()
@@ -227,9 +252,17 @@ class UNet(nn.Module):
         self.norm_out = _norm(groups, in_ch)
         self.conv_out = _init(nn.Conv2d(in_ch, config.in_channels, 3, padding=1), ZERO_INIT_SCALE)
 
-    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """x: (B, C, H, W) noisy images; t: (B,) integer timesteps. Returns predicted noise."""
+    def forward(self, x: torch.Tensor, t: torch.Tensor, labels: torch.Tensor = None) -> torch.Tensor:
+        """x: (B, C, H, W) noisy images; t: (B,) integer timesteps; labels: (B,) classes of a
+        class-conditional network (num_classes: 'no class'; None: no class for all). Returns the
+        network's prediction (the noise, or v)."""
         temb = self.temb(timestep_embedding(t, self.config.base_channels, x.dtype))  # (B, 4 * base)
+        if self.class_emb is not None:
+            if labels is None:
+                labels = torch.full((x.shape[0],), self.config.num_classes, device=x.device, dtype=torch.long)
+            temb = temb + self.class_emb(labels).to(temb.dtype)
+        elif labels is not None:
+            raise ValueError('labels given to an unconditional network (num_classes=0)')
         h = self.conv_in(x)  # (B, base, H, W)
         skips = [h]
         for block in self.down:
@@ -240,7 +273,7 @@ class UNet(nn.Module):
             if not isinstance(block, Upsample):
                 h = torch.cat([h, skips.pop()], dim=1)  # (B, C + C_skip, H, W)
             h = _run(block, h, temb)
-        return self.conv_out(F.silu(self.norm_out(h)))  # (B, C_in, H, W)
+        return self.conv_out(norm_act(self.norm_out, h, self.config.fused_norm))  # (B, C_in, H, W)
 
 
 def _run(block, h, temb):
@@ -282,7 +315,10 @@ def count_flops(config: UNetConfig, image_size: int = None, batch_size: int = 2)
 def count_torchinfo_flops(config: UNetConfig, image_size: int = None) -> dict:
     """torchinfo's multiply-adds x 2 x 3: the reference speedup table's method.
 
-    torchinfo sees nn.Module layers only, so the attention matmuls are left out.
+    torchinfo sees nn.Module layers only, so the attention matmuls are left out, and it counts a
+    Linear layer's multiply-adds once per image, so the attention's q, k, v and output projections
+    (Linear layers over HW tokens) count 1/HW of their work: 11.44 GFLOP forward for ddpm-cifar10,
+    where the same network with 1x1 convs there counted 12.12.
     """
     import torchinfo
     image_size = image_size or config.image_size
@@ -291,4 +327,5 @@ def count_torchinfo_flops(config: UNetConfig, image_size: int = None) -> dict:
     t = torch.zeros(1, dtype=torch.long)
     macs = torchinfo.summary(model, input_data=[x, t], verbose=0).total_mult_adds
     return {'forward': 2 * macs, 'train': 6 * macs,
-            'method': 'torchinfo total_mult_adds x 2 (x 3 for training; attention left out)'}
+            'method': 'torchinfo total_mult_adds x 2 (x 3 for training; attention left out, its projections '
+                      'counted once per image)'}

@@ -74,11 +74,12 @@ class StepCounter(TorchDispatchMode):
     """Every aten op below autograd, with real shapes and dtypes: its FLOPs (op_flops) and bytes, each
     tensor read or written once (a view or an allocation moves none, a gather reads what it returns,
     an in-place op reads and writes its tensor), and its category: 'data' until `phase` is 'step',
-    then the network's by op name (categorise), and after the backward the optimizer's."""
+    then the network's by op name (categorise), and after the backward the optimizer's; with `scopes`
+    (profiling.ModuleScopes) also its module group."""
 
-    def __init__(self):
+    def __init__(self, scopes=None):
         super().__init__()
-        self.ops, self.phase, self.backward_seen = [], 'data', False
+        self.ops, self.phase, self.backward_seen, self.scopes = [], 'data', False, scopes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -94,10 +95,11 @@ class StepCounter(TorchDispatchMode):
         backward = torch._C._current_graph_task_id() != -1
         self.backward_seen |= backward
         category = categorise(str(func)) if self.phase == 'step' else self.phase
+        category = 'optimizer and EMA' if self.backward_seen and not backward else ROOFLINE_CATEGORIES[category]
         self.ops.append({'op': str(func), 'flops': op_flops(func, args, kwargs or {}, out),
-                         'bytes': sum(map(footprint, reads + written + fresh)) if moved else 0,
-                         'category': 'optimizer and EMA' if self.backward_seen and not backward
-                         else ROOFLINE_CATEGORIES[category]})
+                         'bytes': sum(map(footprint, reads + written + fresh)) if moved else 0, 'category': category})
+        if self.scopes:
+            self.ops[-1]['module'] = self.scopes.group(str(func), backward, category)
         return out
 
 
@@ -175,16 +177,18 @@ def add_measured(bounds: dict, profiled: list, batch: int) -> dict:
 
 # ----------------------------------------------------------------------------- the step, counted
 
-def count_step(cfg: train.TrainConfig, cuda: bool = True) -> list:
+def count_step(cfg: train.TrainConfig, cuda: bool = True, make_model=None, scopes=None) -> list:
     """train.py's step op by op (StepCounter) on fake tensors (shapes, no memory): the loader's
     next batch, then train.train_step over what train.build_run makes (made here by the same
     functions: build_run reads real data), after a step that creates the optimizer's state; as on
-    CUDA (cuda_policy) or as on the CPU."""
+    CUDA (cuda_policy) or as on the CPU. make_model: another network (the benchmark's peer); scopes
+    (profiling.ModuleScopes): each op's module group too."""
     with torch.device('meta'):
-        model = UNet(train.model_config_of(cfg))
+        model = (make_model or UNet)(train.model_config_of(cfg))
     model = model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-    ema, counter, cpu = copy.deepcopy(model).eval().requires_grad_(False), StepCounter(), torch.device('cpu')
-    with cuda_policy() if cuda else contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True):
+    ema, counter, cpu = copy.deepcopy(model).eval().requires_grad_(False), StepCounter(scopes), torch.device('cpu')
+    with (cuda_policy() if cuda else contextlib.nullcontext(), FakeTensorMode(allow_non_fake_inputs=True),
+          scopes.on(model) if scopes else contextlib.nullcontext()):
         model, ema, sched = model.to(cpu), ema.to(cpu), diffusion.make_schedule(train.NUM_TIMESTEPS, cfg.schedule)
         images = torch.zeros(2 * cfg.batch_size, model.config.in_channels, cfg.image_size, cfg.image_size,
                              dtype=torch.uint8)

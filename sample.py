@@ -6,6 +6,7 @@ bits/dim of them (measured by evaluation.py), or an export to a diffusers pipeli
     python sample.py --ckpt runs/ckpt.pt --num 50000 --fid                # FID vs CIFAR-10 train
     python sample.py --ckpt runs/ckpt.pt --bpd --bpd-num 10000            # bits/dim on CIFAR-10 test
     python sample.py --ckpt runs/ckpt.pt --export-diffusers runs/pipeline # a diffusers DDPMPipeline folder
+    python sample.py --ckpt runs/ckpt.pt --num 100 --grid --guidance 2     # class-conditional: a row per class
 
 EMA weights (--weights model: the raw ones); images go to disk batch by batch, and after a stop the
 same command continues (OUT/samples.json holds the settings). Exit codes: 0 done (or stopped with
@@ -32,9 +33,10 @@ from checkpoint import model_from_checkpoint, read_checkpoint, require_finite
 from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
 from devices import pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
-from drawing import GRID_LIMIT, draw, write_grid_png
-from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, digits_summary, features_of,
-                        frechet_distance, inception_extractor, reference_statistics, statistics)
+from drawing import GRID_LIMIT, class_labels, draw, write_grid_png
+from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, conditioning_summary,
+                        digits_summary, features_of, frechet_distance, inception_extractor, reference_statistics,
+                        statistics)
 from files import atomic_open, atomic_path, check_writable, claim_folder
 from model import UNetConfig, count_flops
 
@@ -57,6 +59,11 @@ class SampleConfig:
                              'solution); x0 clips it (diffusers\' clip_sample), x0+eps also re-derives eps from it '
                              '(use_clipped_model_output; for ddpm the same as x0, its mean reads x0 alone); none '
                              'never clips; dpm++ takes auto or none', choices=('auto',) + diffusion.DDIM_CLIPS)
+    label: typing.Optional[int] = flag(None, 'a class-conditional model\'s class for every image (default: each '
+                                             'class in turn, image i of class i mod K)', at_least=0)
+    guidance: typing.Optional[float] = flag(None, 'classifier-free guidance scale of a class-conditional model: '
+                                                  'out_uncond + s (out_cond - out_uncond); 1 the conditional model '
+                                                  'alone (the default), 0 the unconditional one', at_least=0)
     batch_size: int = flag(256, 'images per sampling batch', at_least=1)
     out: str = flag('samples', 'output folder')
     format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
@@ -113,7 +120,7 @@ def load_model(path: str, weights: str, device) -> tuple:
 
 MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
 SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'clip', 'batch_size', 'format',
-            'grid', 'seed', 'amp')
+            'grid', 'seed', 'amp', 'label', 'guidance')
 
 
 def sample_settings(cfg: SampleConfig) -> dict:
@@ -277,7 +284,9 @@ def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: Sa
 def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -> SampleConfig:
     """The flags that depend on the model (its schedule, its channels), and the output folder
     (created and checked writable); check_ranges checked the others before the model was loaded.
-    Returns cfg with --fid-data and --bpd-data resolved."""
+    Returns cfg with --fid-data, --bpd-data and, for a class-conditional model, --label and
+    --guidance resolved."""
+    cfg = check_conditioning(cfg, config)
     for name in ('fid_data', 'bpd_data'):
         value = getattr(cfg, name)
         if value == 'auto':
@@ -313,6 +322,22 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
     return cfg
 
 
+def check_conditioning(cfg: SampleConfig, config: UNetConfig) -> SampleConfig:
+    """--label and --guidance against the model: refused for an unconditional one, --label checked
+    against its classes; resolved to each class in turn (-1) at scale 1 where not given."""
+    given = [f'--{name} {getattr(cfg, name)}' for name in ('label', 'guidance') if getattr(cfg, name) is not None]
+    if not config.num_classes:
+        if given:
+            raise ConfigError(f'{", ".join(given)}: {cfg.ckpt} is an unconditional model (trained without '
+                              f'--class-cond): it has no classes to guide towards')
+        return cfg
+    if cfg.label is not None and cfg.label >= config.num_classes:
+        raise ConfigError(f'--label {cfg.label}: the model has {config.num_classes} classes, 0 to '
+                          f'{config.num_classes - 1}')
+    return dataclasses.replace(cfg, label=-1 if cfg.label is None else cfg.label,
+                               guidance=1.0 if cfg.guidance is None else cfg.guidance)
+
+
 def main(cfg: SampleConfig) -> dict:
     check_ranges(cfg)
     device = pick_device(cfg.device, 0)
@@ -345,7 +370,7 @@ def main(cfg: SampleConfig) -> dict:
             images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
             drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
                      'path': os.path.join(cfg.out, 'grid.png')}
-            write_grid_png(images, drawn['path'])
+            write_grid_png(images, drawn['path'], config.num_classes if cfg.label == -1 else 0)
         finally:
             release_lock()
         on_disk = images.split(cfg.batch_size)
@@ -360,7 +385,8 @@ def main(cfg: SampleConfig) -> dict:
     result.update(drawn)
     steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
     if drawn['images'] and drawn['seconds'] > 0:
-        flops = count_flops(config)['forward'] * steps * drawn['images']
+        guided = config.num_classes and cfg.guidance not in (0, 1)  # two halves per model call
+        flops = count_flops(config)['forward'] * steps * drawn['images'] * (2 if guided else 1)
         result.update(img_per_s=drawn['images'] / drawn['seconds'], tflops=flops / drawn['seconds'] / 1e12)
         print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "
               f"{result['img_per_s']:.1f} img/s, {result['tflops']:.2f} TFLOP/s (first batch includes compilation)")
@@ -369,8 +395,13 @@ def main(cfg: SampleConfig) -> dict:
         return result
     print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
     if judge:
-        result['digits'] = {**judge.score(judge.features(torch.cat(list(on_disk)))), 'floor': judge.floor}
+        images = torch.cat(list(on_disk))
+        result['digits'] = {**judge.score(judge.features(images)), 'floor': judge.floor}
         print(digits_summary(result['digits']))
+        if config.num_classes == 10:  # a class-conditional digits model: is each sample the digit asked?
+            asked = class_labels(0, len(images), config.num_classes, cfg.label)
+            result['conditioning'] = judge.conditioning(images, asked)
+            print(conditioning_summary(result['conditioning'], cfg.guidance))
     elif cfg.fid:
         fake = statistics(features_of(tqdm(on_disk, desc='sample features', leave=False), extractor))
         result['fid'] = frechet_distance(fake, reference)

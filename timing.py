@@ -1,5 +1,6 @@
 """Timing one training step as train.py runs it: the ladder's rows (one change each), the timed
 loop (median of iterations after warm-up; CUDA events on a GPU), throughput, TFLOP/s and MFU."""
+import contextlib
 import dataclasses
 import functools
 import os
@@ -15,7 +16,7 @@ import data
 import train
 from cli import ConfigError, brief
 from devices import A100_PEAK_TFLOPS, peak_tflops, precision_of, synchronize
-from diffusers_io import write_image_folder
+from diffusers_io import DiffusersUNet, diffusers_missing_reason, write_image_folder
 from files import write_once
 from model import get_config
 from reports import format_or_na
@@ -35,6 +36,11 @@ class Row:
     fused_adam: bool = False
     loader: str = 'torch'
     num_workers: typing.Optional[int] = None  # None: --num-workers
+    fused_norm: bool = False  # GroupNorm (+ add, + SiLU) as one Triton kernel (kernels.py)
+    coordinate_descent: bool = False  # Inductor's coordinate-descent tuning of its Triton kernels
+    sdpa_backend: str = 'auto'  # 'cudnn': SDPA held to cuDNN's attention kernel
+    network: str = 'ours'  # 'diffusers': diffusers' UNet2DModel of the same function (the model peer)
+    carried: bool = True  # False: a row that is only tried; the rows below leave its change out
 
 
 def ladder(bench, device: torch.device) -> list:
@@ -45,7 +51,7 @@ def ladder(bench, device: torch.device) -> list:
 
     def add(name, carried=True, **change):  # a row not carried shows what its change costs; the next row leaves it out
         nonlocal base
-        rows.append(dataclasses.replace(base, name=name, **change))
+        rows.append(dataclasses.replace(base, name=name, carried=carried, **change))
         base = rows[-1] if carried else base
     add(f'Scale up batch size ({bench.big_batch})', batch_size=bench.big_batch)
     add('torch.compile (the network)', compile=True, compile_scope='model')
@@ -57,9 +63,15 @@ def ladder(bench, device: torch.device) -> list:
     add('Fused Adam', fused_adam=True)
     add('FFCV data loading', loader='ffcv')
     add('GPU-resident data' if device.type == 'cuda' else 'Device-resident data (gpu loader, in RAM)', loader='gpu')
-    add('compile reduce-overhead (CUDA graphs)', compile_mode='reduce-overhead')
-    add('compile max-autotune (no CUDA graphs)', compile_mode='max-autotune-no-cudagraphs')
-    add('compile max-autotune + CUDA graphs', compile_mode='max-autotune')
+    # Tried, none carried: not yet measured on a GPU. The compile modes each replace the default mode;
+    # CUDA graphs cover the compiled loss (forward and backward), not the optimizer, clipping or EMA.
+    add('compile reduce-overhead (CUDA graphs of the compiled loss)', carried=False, compile_mode='reduce-overhead')
+    add('compile max-autotune (no CUDA graphs)', carried=False, compile_mode='max-autotune-no-cudagraphs')
+    add('compile max-autotune + CUDA graphs', carried=False, compile_mode='max-autotune')
+    add('fused GroupNorm (Triton)', carried=False, fused_norm=True)
+    add(f'Twice the batch ({2 * bench.big_batch})', carried=False, batch_size=2 * bench.big_batch)
+    add('cuDNN attention (SDPA backend)', carried=False, sdpa_backend='cudnn')
+    add('Inductor coordinate-descent tuning', carried=False, coordinate_descent=True)
     return rows
 
 
@@ -70,12 +82,41 @@ def skip_reason(row: Row, device: torch.device) -> str | None:
         return 'fp16 training needs CUDA'
     if row.compile_mode != 'default' and device.type != 'cuda':
         return 'compile modes other than default target CUDA (autotuning, CUDA graphs)'
+    if row.fused_norm and device.type != 'cuda':
+        return 'the fused GroupNorm is a Triton kernel for CUDA (on a CPU only Triton\'s interpreter runs it)'
+    if row.sdpa_backend != 'auto' and device.type != 'cuda':
+        return f'the {row.sdpa_backend} attention backend is a CUDA one'
+    if row.coordinate_descent and device.type != 'cuda':
+        return 'coordinate-descent tuning tunes Inductor\'s Triton kernels, which are CUDA ones'
+    if row.network == 'diffusers':
+        return diffusers_missing_reason()
     return None
+
+
+@contextlib.contextmanager
+def row_settings(row: Row):
+    """The settings of a row that live outside train.py's config, for as long as the row is built,
+    compiled (lazily: at its first step) and timed: Inductor's coordinate-descent tuning, the SDPA
+    backend. Restored afterwards."""
+    with contextlib.ExitStack() as stack:
+        if row.coordinate_descent:
+            import torch._inductor.config as inductor_config
+            stack.enter_context(inductor_config.patch(coordinate_descent_tuning=True))
+        if row.sdpa_backend != 'auto':
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+            stack.enter_context(sdpa_kernel({'cudnn': SDPBackend.CUDNN_ATTENTION}[row.sdpa_backend]))
+        yield
+
+
+def network_of(row: Row):
+    """What builds the row's network: ours (None: train.py's UNet) or diffusers' UNet2DModel."""
+    return DiffusersUNet if row.network == 'diffusers' else None
 
 
 def start_row(bench, device: torch.device) -> Row:
     """The row the other modes start from: --from-row, or the last runnable row in the default
-    compile mode (it holds every change above it, and it is what train.py runs on a GPU)."""
+    compile mode that is carried (it holds every change above it that is kept, and it is what
+    train.py runs on a GPU); the rows that are only tried come after it."""
     rows = ladder(bench, device)
     if bench.from_row:
         named = [r for r in rows if not skip_reason(r, device) and bench.from_row.lower() in r.name.lower()]
@@ -84,7 +125,7 @@ def start_row(bench, device: torch.device) -> Row:
                               f"{'; '.join(r.name for r in rows if not skip_reason(r, device))}")
         return named[0]
     # From the last row back, so that the FFCV row's check (importing ffcv: seconds) is rarely needed.
-    return next(r for r in reversed(rows) if r.compile_mode == 'default' and not skip_reason(r, device))
+    return next(r for r in reversed(rows) if r.carried and r.compile_mode == 'default' and not skip_reason(r, device))
 
 
 
@@ -93,7 +134,8 @@ def row_train_config(row: Row, bench, device: torch.device, dataset_name: str) -
     cfg = train.TrainConfig(preset=bench.preset, dataset=dataset_name, data_dir=bench.data_dir,
                             image_size=bench.image_size, batch_size=row.batch_size, attention=row.attention,
                             compile=row.compile, compile_mode=row.compile_mode, amp=row.amp,
-                            channels_last=row.channels_last, fused_adam=row.fused_adam, loader=row.loader,
+                            channels_last=row.channels_last, fused_adam=row.fused_adam, fused_norm=row.fused_norm,
+                            loader=row.loader,
                             num_workers=bench.num_workers if row.num_workers is None else row.num_workers,
                             seed=bench.seed, device=str(device))
     return train.resolve_defaults(cfg, device)
@@ -198,10 +240,11 @@ def measure_row(row: Row, bench, device, dataset, dataset_name, flops, make_mode
         if row.loader == 'ffcv':
             row_data = beton_for(bench, dataset_name, dataset)
             row_cfg = dataclasses.replace(row_cfg, dataset='beton', data_dir=row_data.path)
-        run = build_row_run(row_cfg, bench, device, row_data, make_model, row.compile_scope)
-        stream = train.batches(run, 0)
-        result = throughput(time_iterations(lambda step: train.train_step(run, next(stream), step), device, bench,
-                                            row.name), row_cfg, bench, device, flops)
+        with row_settings(row):
+            run = build_row_run(row_cfg, bench, device, row_data, make_model or network_of(row), row.compile_scope)
+            stream = train.batches(run, 0)
+            result = throughput(time_iterations(lambda step: train.train_step(run, next(stream), step), device,
+                                                bench, row.name), row_cfg, bench, device, flops)
         if row_cfg.compile and bench.compile_backend != 'inductor':
             result['note'] = f'torch.compile with backend={bench.compile_backend}'
         return result
@@ -268,6 +311,11 @@ def selected_rows(bench, device: torch.device) -> list:
     return [r for r in rows if not wanted or any(w.lower() in r.name.lower() for w in wanted)]
 
 
+# The model peer: diffusers' UNet2DModel of the same function under our row's settings (compile,
+# precision, layout, fused Adam, data path, batch), its attention its own default (SDPA).
+PEER_NAME, PEER_CHANGE = 'diffusers UNet2DModel (settings of our row)', {'network': 'diffusers', 'attention': 'sdpa'}
+
+
 def sweep_rows(kind: str, best: Row, bench, device: torch.device) -> list:
     """Variants of the best row along one setting."""
     cuda = device.type == 'cuda'
@@ -281,6 +329,9 @@ def sweep_rows(kind: str, best: Row, bench, device: torch.device) -> list:
     if kind == 'layout':  # NCHW and NHWC alternated twice, so that drift over the run shows as such
         return [dataclasses.replace(best, name=f'{name}{again}', channels_last=nhwc)
                 for again in ('', ' again') for name, nhwc in (('NCHW', False), ('channels-last', True))]
+    if kind == 'peer':  # our row and diffusers' UNet2DModel under its settings, A B A B (interleaved)
+        return [dataclasses.replace(best, name=name + again, **change) for again in ('', ' again')
+                for name, change in ((f'ours ({best.name})', {}), (PEER_NAME, PEER_CHANGE))]
     if kind == 'amp':
         return [dataclasses.replace(best, name=f'amp {p}', amp=p) for p in ['off', 'bf16'] + (['fp16'] if cuda else [])]
     modes = ['default'] + (['max-autotune-no-cudagraphs', 'reduce-overhead', 'max-autotune'] if cuda else [])

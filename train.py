@@ -88,6 +88,14 @@ class TrainConfig:
                                     'steps)', at_least=0, below=1)
     ema_length: float = flag(0.0, 'the EMA\'s half-life as a share of the images seen (Karras et al. 2022: 0.05), '
                                   'capped by --ema-decay; 0: the paper\'s ramp (1+step)/(10+step)', at_least=0, below=1)
+    class_cond: bool = flag(False, 'class-conditional training on the data set\'s labels (CIFAR-10\'s classes, the '
+                                   'digits, a folder\'s subfolders, a .beton\'s label field), for classifier-free '
+                                   'guidance (Ho & Salimans 2022)')
+    label_drop: float | None = flag(None, 'with --class-cond: the share of labels replaced by "no class" in training, '
+                                          'so that one network is also the unconditional model guidance needs '
+                                          '(default 0.1)', at_least=0, below=1)
+    guidance: float | None = flag(None, 'with --class-cond: the guidance scale of the sample grids and evaluations '
+                                        '(1: the conditional model alone; 0: unconditional; default 1)', at_least=0)
     immiscible: bool = flag(False, 'immiscible diffusion (Li et al. 2024): each image of a batch gets the nearest of '
                                    'the batch\'s noise draws, by a linear assignment over L2 distances (scipy, on the '
                                    'host: one sync a step on a GPU)')
@@ -104,6 +112,9 @@ class TrainConfig:
                                             'the compiled bf16 step, results/h200-layout-check.md; no faster on a '
                                             'CPU)')
     fused_adam: bool | None = flag(None, 'fused Adam kernel (default: on for CUDA; off on a CPU, measured slower)')
+    fused_norm: bool = flag(False, 'GroupNorm with the add before it and the SiLU after it as one Triton kernel '
+                                   '(kernels.py), forward and backward; CUDA only (default off: no GPU measurement '
+                                   'yet)')
     loader: str = flag('auto', 'data path (auto: gpu when the set fits on the GPU, else torch)', choices=data.LOADERS)
     num_workers: int = flag(4, 'DataLoader workers for --loader torch', at_least=0)
     log_every: int = flag(100, 'steps between metrics.jsonl lines (and held-out loss)', at_least=1)
@@ -154,6 +165,7 @@ PAPER_TRAINING = {'lr': 2e-4, 'warmup': 5000, 'batch_size': 128}
 # img/s gain lies inside the pairs' spread. Plain fp32 eager on every other CPU too: nothing measured there.
 CPU_FAST_PATH = {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': False}
 PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
+LABEL_DROP = 0.1  # --class-cond's p_uncond: Ho & Salimans (2022) found 0.1 and 0.2 best on ImageNet 64x64
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -217,7 +229,9 @@ class Run:
 
 def model_config_of(cfg: TrainConfig):
     return get_config(cfg.preset, image_size=cfg.image_size, dropout=cfg.dropout, attention=cfg.attention,
-                      in_channels=data.channels_of(cfg.dataset))
+                      in_channels=data.channels_of(cfg.dataset),
+                      num_classes=len(data.class_names(cfg.dataset, cfg.data_dir)) if cfg.class_cond else 0,
+                      fused_norm=cfg.fused_norm)
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
@@ -229,7 +243,7 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     if device.type == 'cuda':
         torch.backends.cudnn.benchmark = True
     if dataset is None:
-        dataset = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count)
+        dataset = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count, cfg.class_cond)
     first = data.first_image(dataset, cfg.image_size, cfg.data_dir)
     loader_kind = data.choose_loader(cfg.loader, len(dataset) * first.numel(), device)
     loader = data.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
@@ -249,9 +263,11 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
         net = torch.nn.parallel.DistributedDataParallel(model)  # a single-device module: no device_ids needed
     sched = diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).to(device)
     loss = make_loss(cfg, net, sched, device, fullgraph=world_size == 1)  # dynamo breaks the graph at DDP's forward
+    identity = {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}
+    if cfg.class_cond:  # the classes are part of what was learnt: a resume must see the same ones
+        identity['classes'] = list(dataset.class_names)
     return Run(cfg, device, rank, world_size, model, ema, loss, optimizer, scaler, sched, loader, loader_kind,
-               {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}, stop or StopFlag(), control_group,
-               flags or {})
+               identity, stop or StopFlag(), control_group, flags or {})
 
 
 def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0,
@@ -302,30 +318,34 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
     recompiles. compile_options go to torch.compile (the tests and the benchmark pick backends)."""
     t_probs = None if cfg.t_sampling == 'uniform' else diffusion.timestep_probabilities(
         sched, cfg.t_sampling, cfg.t_mean, cfg.t_scale).to(device)
+    net_classes = getattr(net, 'module', net).config.num_classes if cfg.class_cond else 0
 
-    def loss_of(x0, noise=None):
+    def loss_of(x0, labels=None, noise=None):
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
+        if labels is not None:  # --class-cond: some labels become "no class" (index num_classes)
+            labels = diffusion.drop_labels(labels, cfg.label_drop, net_classes)
         with autocast(cfg.amp, device):
             return diffusion.training_loss(net, sched, x0, noise=noise, prediction=cfg.prediction,
                                            loss_weight=cfg.loss_weight, snr_gamma=cfg.snr_gamma or 5.0,
                                            t_probs=t_probs, t_reweight=cfg.t_reweight,
-                                           input_perturbation=cfg.input_perturbation)
+                                           input_perturbation=cfg.input_perturbation, labels=labels)
     if cfg.compile:
         mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
         loss_of = torch.compile(loss_of, **{'fullgraph': True, 'mode': mode, **compile_options})
     if not cfg.immiscible:
         return loss_of
     # scipy's assignment cannot enter a graph: the noise is drawn and assigned before it, then passed in
-    return lambda x0: loss_of(x0, diffusion.immiscible_noise(x0, torch.randn_like(x0)))
+    return lambda x0, labels=None: loss_of(x0, labels, diffusion.immiscible_noise(x0, torch.randn_like(x0)))
 
 
-def train_step(run: Run, x0: torch.Tensor, step: int) -> torch.Tensor:
-    """One optimizer step on a batch; returns the loss without synchronising with the host."""
+def train_step(run: Run, batch, step: int) -> torch.Tensor:
+    """One optimizer step on a batch (images, or (images, labels) with --class-cond); returns the
+    loss without synchronising with the host."""
     cfg = run.cfg
     for group in run.optimizer.param_groups:
         group['lr'] = lr_at(step, cfg, run.total_steps)  # a float argument of fused Adam's kernel: no sync
-    loss = run.compute_loss(x0)
+    loss = run.compute_loss(*batch) if isinstance(batch, tuple) else run.compute_loss(batch)
     run.scaler.scale(loss).backward()
     if cfg.grad_clip > 0:
         run.scaler.unscale_(run.optimizer)
@@ -362,8 +382,12 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     log.start_loop()
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
-        eval_owed = evaluate(run, evaluator, log, step) is None
-        if step >= total_steps:  # resumed at the target only for it
+        scored = evaluate(run, evaluator, log, step)
+        eval_owed = scored is None
+        reached = not eval_owed and any_rank(score_reached(cfg, scored), run.control_group)
+        # The run ends here as the uninterrupted one would have: at its target, at --stop-at-score
+        # (the owed score reached it), or stopped again during this evaluation (still owed, at this step).
+        if step >= total_steps or reached or eval_owed:
             save_if_good(run, step, log, eval_owed, ckpt_path, heldout, row, last_good)
             return finish_run(run, step, run.stop.reason if eval_owed else None, log, ckpt_path)
     try:
@@ -485,6 +509,7 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
                 **{name: cuda or fast_cpu.get(name, False) for name in ('compile', 'fused_adam')},
                 'channels_last': fast_cpu.get('channels_last', False),  # off on CUDA too: measured slower (H200)
                 'snr_gamma': 5.0 if cfg.loss_weight == 'min-snr' else None,
+                **({'label_drop': LABEL_DROP, 'guidance': 1.0} if cfg.class_cond else {}),
                 'eval_samples': 450 if cfg.dataset == 'digits' else 10000}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
     if cfg.amp == 'auto':
@@ -505,14 +530,43 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     check_ranges(cfg)
     if cfg.snr_gamma is not None and cfg.loss_weight != 'min-snr':
         raise ConfigError(f'--snr-gamma {cfg.snr_gamma} weights nothing without --loss-weight min-snr')
+    for name in ('label_drop', 'guidance'):
+        if getattr(cfg, name) is not None and not cfg.class_cond:
+            raise ConfigError(f'--{name.replace("_", "-")} {getattr(cfg, name)} has no labels to act on without '
+                              f'--class-cond')
     for name, value in (('--t-mean', cfg.t_mean), ('--t-scale', cfg.t_scale), ('--t-reweight', cfg.t_reweight or None)):
         if value is not None and cfg.t_sampling == 'uniform':
             raise ConfigError(f'{name} shapes nothing without --t-sampling lognormal or laplace')
     if cfg.stop_at_score and not (cfg.eval_every and (cfg.eval_fid or cfg.dataset == 'digits')):
         raise ConfigError(f'--stop-at-score {cfg.stop_at_score} needs evaluations with a score: --eval-every N'
                           + (' and --eval-fid' if cfg.dataset != 'digits' else ''))
+    if cfg.t_mean is not None:  # the law's mean inside the span its variable takes over the T steps
+        abar = diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).alphas_cumprod
+        ln_sigma = (0.5 * (torch.log1p(-abar) - torch.log(abar)))[[0, -1]].tolist()
+        low, high = ln_sigma if cfg.t_sampling == 'lognormal' else (-2 * ln_sigma[1], -2 * ln_sigma[0])
+        if not low <= cfg.t_mean <= high:
+            raise ConfigError(f"--t-mean {cfg.t_mean}: outside [{low:.2f}, {high:.2f}], the span of the "
+                              f"{'ln sigma' if cfg.t_sampling == 'lognormal' else 'log-SNR'} over the {cfg.schedule} "
+                              f"schedule's {NUM_TIMESTEPS} steps: nearly every timestep drawn would be an end one")
+    # The run's length in steps where the flags fix it: --steps, or --epochs of a data set whose size is
+    # known before loading it (an image folder's or a .beton's is not: those checks wait for --steps).
+    per_epoch = {'digits': lambda: len(data.load_digits_split(8, heldout=False)[1]), 'cifar10': lambda: 50_000,
+                 'shapes': lambda: cfg.shapes_count}.get(cfg.dataset)
+    planned = cfg.steps or (per_epoch and cfg.epochs * (per_epoch() // world_size // (cfg.batch_size // world_size
+                                                                                     or 1)))
+    if cfg.lr_decay != 'none' and planned and cfg.warmup >= planned:
+        raise ConfigError(f'--lr-decay {cfg.lr_decay} decays after the warm-up, but the warm-up ({cfg.warmup} steps) '
+                          f'lasts the whole run ({planned} steps): the lr would only rise; pass a --warmup below '
+                          f'{planned}, or train longer')
+    if cfg.stop_at_score and planned and planned * cfg.batch_size < cfg.eval_every:
+        raise ConfigError(f'--stop-at-score {cfg.stop_at_score}: the run trains {planned * cfg.batch_size:,} images, '
+                          f'fewer than --eval-every {cfg.eval_every}: no evaluation would ever score it; lower '
+                          f'--eval-every or train longer')
     if cfg.batch_size % world_size:
         raise ConfigError(f'--batch-size {cfg.batch_size} does not split evenly over {world_size} ranks')
+    if cfg.fused_norm and device.type != 'cuda' and os.environ.get('TRITON_INTERPRET') != '1':
+        raise ConfigError('--fused-norm: its Triton kernel runs on CUDA (on a CPU only under TRITON_INTERPRET=1, '
+                          'the tests\' interpreter); leave it off here')
     if cfg.amp == 'fp16' and device.type != 'cuda':
         raise ConfigError(f'--amp fp16 needs a CUDA device ({device} has no fast fp16 training); use --amp bf16 or off')
     if cfg.amp == 'bf16' and device.type == 'cuda' and not torch.cuda.is_bf16_supported():
@@ -640,7 +694,7 @@ def write_sample_grid(run: Run, log, path: str, step: int):
     with log.paused():
         try:
             with run.stop.interruptible(), own_rng(run.device):
-                write_grid(run.ema, run.sched, run.cfg, run.device, path)
+                write_grid(run.ema, run.sched, run.cfg, run.device, path)  # a row per class with --class-cond
             log.grids.append(path)
             log.out.image('samples', path, step * run.cfg.batch_size)
         except StopRequested:

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import evaluation  # noqa: E402
 import sample  # noqa: E402
-from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main  # noqa: E402
 from devices import device_name  # noqa: E402
 from drawing import Sampling, draw  # noqa: E402
 from files import check_creatable, check_writable  # noqa: E402
@@ -33,7 +33,9 @@ class ScoreCheckConfig:
     data_dir: str = flag('./data', 'where the classifier is cached')
     out_dir: str = flag('results', 'where the JSON and Markdown go')
     ckpt: str = flag('', 'a digits checkpoint: score its EMA samples under --resamples sampling seeds instead')
-    resamples: int = flag(10, 'sampling seeds of --ckpt (0, 1, ...)', at_least=2)
+    resamples: int | None = flag(None, 'sampling seeds of --ckpt (0, 1, ...; default 10); the report is rewritten '
+                                       'after each, and a stop (SIGTERM, Ctrl-C) ends it after the seed under way',
+                                 at_least=2, at_most=1000)
 
 
 def damaged_sets(size: int) -> list:
@@ -68,6 +70,8 @@ def main(argv=None) -> int:
 
 def check_the_score(args: ScoreCheckConfig):
     check_ranges(args)
+    if args.resamples is not None and not args.ckpt:
+        raise ConfigError(f'--resamples {args.resamples} resamples a checkpoint: pass --ckpt, or leave --resamples out')
     check_creatable(args.out_dir, '--out-dir')  # created once the classifier (cached in --data-dir) is there
     loaded = sample.load_model(args.ckpt, 'ema', torch.device('cpu')) if args.ckpt else None
     if loaded and (loaded[1].in_channels, loaded[1].image_size) != (1, args.image_size):
@@ -94,25 +98,44 @@ def check_the_score(args: ScoreCheckConfig):
 
 def resampled(args: ScoreCheckConfig, judge, loaded):
     """The scores of one checkpoint's EMA samples under sampling seeds 0, 1, ...: how much of a score
-    is the draw of the noise."""
+    is the draw of the noise. The report is rewritten after every seed; a stop (SIGTERM, Ctrl-C) ends
+    the loop once the seed under way is scored, and what was scored is kept."""
     model, config, sched, prediction = loaded
-    rows = []
-    for seed in range(args.resamples):
-        sampling = Sampling(num=450, batch_size=32, sampler='dpm++', steps=20, seed=seed)
-        images = torch.cat(list(draw(model, config, sched, sampling, torch.device('cpu'), progress=False,
-                                     prediction=prediction)))
-        rows.append({'seed': seed, **judge.score(judge.features(images))})
-        print(f"sampling seed {seed}: FD {rows[-1]['digits_fd']:.2f}", flush=True)
+    planned, rows, stop = args.resamples or 10, [], StopFlag()
+    restore = stop.install()
+    try:
+        for seed in range(planned):
+            sampling = Sampling(num=450, batch_size=32, sampler='dpm++', steps=20, seed=seed)
+            images = torch.cat(list(draw(model, config, sched, sampling, torch.device('cpu'), progress=False,
+                                         prediction=prediction)))
+            rows.append({'seed': seed, **judge.score(judge.features(images))})
+            print(f"sampling seed {seed}: FD {rows[-1]['digits_fd']:.2f}", flush=True)
+            write_resampled(args, rows, planned, stop.reason)
+            if stop.reason:
+                print(f'stopped by {stop.reason} after {len(rows)} of {planned} seeds: the report holds them',
+                      flush=True)
+                break
+    finally:
+        restore()
+
+
+def write_resampled(args: ScoreCheckConfig, rows: list, planned: int, stopped):
+    """The report of the seeds scored so far (JSON and Markdown, each written whole)."""
     scores = [r['digits_fd'] for r in rows]
-    result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(args), 'rows': rows,
-              'mean': statistics.mean(scores), 'sd': statistics.stdev(scores), 'min': min(scores), 'max': max(scores)}
+    sd = statistics.stdev(scores) if len(scores) > 1 else None
+    result = {**provenance(device_name(torch.device('cpu'))), 'config': {**asdict(args), 'resamples': planned},
+              'rows': rows, 'seeds_planned': planned, 'complete': len(rows) == planned, 'stopped': stopped,
+              'mean': statistics.mean(scores), 'sd': sd, 'min': min(scores), 'max': max(scores)}
     table = markdown_table(['sampling seed', 'FD', 'KID', 'confident'], [
         [r['seed'], f"{r['digits_fd']:.2f}", f"{r['digits_kid']:.1f}", f"{r['digits_confident']:.1%}"] for r in rows])
     write_report(args.out_dir, f'digits-score-{args.image_size}-resampled', result,
                  f'The digits score of one checkpoint, resampled ({args.ckpt})', table,
                  notes=f"; 450 EMA samples, DPM-Solver++ at 20 calls, batch 32, per sampling seed; FD mean "
-                       f"{result['mean']:.2f} +- {result['sd']:.2f} (sd), range {min(scores):.2f} to {max(scores):.2f}")
-    print(table)
+                       f"{result['mean']:.2f}" + (f" +- {sd:.2f} (sd)" if sd is not None else '') +
+                       f", range {min(scores):.2f} to {max(scores):.2f}" +
+                       ('' if result['complete'] else f"; {len(rows)} of {planned} seeds (unfinished)"))
+    if result['complete'] or stopped:
+        print(table)
 
 
 if __name__ == '__main__':

@@ -1,15 +1,23 @@
 #!/usr/bin/env bash
 # The GPU measurements, as parts that each end inside 10 minutes on one H100 by construction
-# (what a part runs is under `timeout`, its commands sharing $PART_LIMIT, 540 s unless set (1800 s
-# in the --quick CPU form, which checks the wiring on a loaded CI machine, not time); JSON is rewritten
-# after every row in the ladder modes, so a part cut short keeps the rows it finished and says so in
-# its log; a mode that writes at the end says that nothing was measured) and
-# leave at most 8 files (no checkpoints) in the output folder. Run from the repository root:
+# (what a part runs is under `timeout`, its commands sharing $PART_LIMIT, 540 s unless set (450 s
+# for `step`; 1800 s in the --quick CPU form, which checks the wiring on a loaded CI machine, not
+# time); JSON is rewritten after every row in the ladder and sweep modes, so a part cut short keeps
+# the rows it finished and says so in its log; a mode that writes at the end says that nothing was
+# measured) and leave at most 8 files (no checkpoints) in the output folder. Run from the repository
+# root:
 #
 #   bash scripts/measure_gpu.sh PART OUT_DIR            # on the GPU machine
 #   bash scripts/measure_gpu.sh PART OUT_DIR --quick    # the same wiring on a CPU, tiny preset (tested)
 #
 # Parts, in the order of results/NOTES.md's playbook (the headline first):
+#   step      at most 8 minutes: our fastest default row and diffusers' UNet2DModel under its settings,
+#             alternated A B A B in one process (benchmark.py --sweep peer); train.py's own img/s at batch
+#             512; both networks' steps profiled side by side (--side-by-side); the README's table
+#             generated from the JSON (scripts/speed_table.py, into the log)
+#   knobs     the rows tried on top of the fastest default row, each against it in one process: fused
+#             GroupNorm (Triton), twice the batch, cuDNN attention, Inductor's coordinate-descent tuning
+#             (in that order: a cut keeps the rows finished)
 #   headline  the baseline, our fastest default-compile row and the diffusers peers: its UNet2DModel in
 #             our loop, and its training recipe (train_unconditional.py's loop, data from PNG files)
 #   ladder    every default-compile row of the ladder, in one process
@@ -31,7 +39,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #       diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0
 set -euo pipefail
-PARTS=(headline profile ladder gputests autotune graphs quality loaders sweep small)
+PARTS=(step knobs headline profile ladder gputests autotune graphs quality loaders sweep small)
 usage="usage: bash scripts/measure_gpu.sh $(IFS='|'; echo "${PARTS[*]}")|all OUT_DIR [--quick]"
 # Every argument is checked before anything is written: a refused call leaves no folder and no file.
 [ $# -ge 2 ] && [ $# -le 3 ] && [[ " ${PARTS[*]} all " == *" $1 "* ]] && [[ "${3:-}" =~ ^(--quick)?$ ]] || {
@@ -46,15 +54,18 @@ while [ ! -e "$parent" ]; do parent=$(dirname "$parent"); done
 [ -d "$parent" ] && [ -w "$parent" ] && [ -x "$parent" ] || {
   echo "error: OUT_DIR '$out': cannot write there ($parent is not a writable folder)" >&2; exit 2; }
 PINNED=(diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0)
-DEFAULT_ROWS="Baseline,Scale up,torch.compile,SDPA,Mixed precision,Channels-last,Fused Adam,FFCV,resident data"
+DEFAULT_ROWS="Baseline,Scale up,torch.compile,PyTorch SDPA,Mixed precision,Channels-last,Fused Adam,FFCV,resident data"
+KNOB_ROWS="resident data,fused GroupNorm,Twice the batch,cuDNN attention,coordinate-descent"
 export PYTHONUNBUFFERED=1
 
 scratch=$(mktemp -d)  # data, .beton files and training runs: never in the output folder
 trap 'rm -rf "$scratch"' EXIT
 
 limit=${PART_LIMIT:-540}
+step_limit=${PART_LIMIT:-450}  # the step part: 8 minutes at most with the wheels' install and the checks
 if [ "$quick" = "--quick" ]; then
   limit=${PART_LIMIT:-1800}  # a loaded 2-core CI machine: the CPU form checks wiring, not time
+  step_limit=$limit
 fi
 [[ "$limit" =~ ^[1-9][0-9]*$ ]] && (( limit >= 3 )) || {
   echo "error: PART_LIMIT must be whole seconds, at least 3, not '$limit'" >&2; exit 2; }
@@ -64,6 +75,7 @@ if [ "$quick" = "--quick" ]; then
   preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
   sweep_values=4,8,16
   train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
+  step_train=(--device cpu --preset tiny --image-size 16 --batch-size 8 --shapes-count 64 --steps 6 --log-every 3)
 else
   for pin in "${PINNED[@]}"; do
     name=${pin%%==*}; version=${pin##*==}
@@ -71,8 +83,13 @@ else
       echo "error: .whl/ lacks $pin; on a machine with network: python3 -m pip download --no-deps" \
            "--only-binary=:all: -d .whl ${PINNED[*]}" >&2; exit 2; }
   done
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site
+  # The device before anything is installed or written: without a GPU the parts measure nothing.
+  python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' || {
+    echo "error: no CUDA device here (torch.cuda.is_available() is False): the parts measure a GPU; add --quick" \
+         "for their CPU form" >&2; exit 2; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$scratch/site" \
+    .whl/*.whl  # into the scratch folder, removed at exit
+  export PYTHONPATH=$scratch/site
   python3 -c '
 import importlib.metadata, sys
 for pin in sys.argv[1:]:
@@ -86,6 +103,7 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
   preset=ddpm-cifar10; small_preset=small; small_rows=$DEFAULT_ROWS
   sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
+  step_train=(--device cuda --batch-size 512 --shapes-count 16384 --steps 300 --log-every 50)  # ~30 s of steps
 fi
 mkdir -p "$out"
 
@@ -119,9 +137,36 @@ bench() {  # bench PART STEM ARGS...: benchmark.py's files as OUT_DIR/STEM.*, it
   fi
 }
 
+left() {  # left RESERVE: seconds of the step part's limit not yet spent, less RESERVE for what follows (>= 3)
+  local seconds=$(( step_limit - (SECONDS - step_start) - $1 ))
+  echo $(( seconds > 3 ? seconds : 3 ))
+}
+
 run_part() {
   environment "$1"
   case "$1" in
+    step)     local step_start=$SECONDS status=0 log=$out/step.log seconds
+              # The headline first: A B A B, each one's first timing compiling (~2 min each on an H200);
+              # 170 s kept for train.py and the profile, whose graphs Inductor's cache then holds. 16,384
+              # shapes, as train.py's below: the resident loader's step does not depend on the set's size.
+              budget=$(left 170) bench step step-peer --sweep peer --iters 30 --warmup 5 --num-images 16384
+              rm -f "$out/step-peer.png"  # 8 files come back from a command; the chart is redrawn from the JSON
+              seconds=$(left 80)
+              timeout --kill-after=15 "$seconds" python3 train.py "${step_train[@]}" --dataset shapes \
+                --sample-every 0 --out-dir "$scratch/step-train" 2>&1 | tee -a "$log" || status=$?
+              if [ -f "$scratch/step-train/metrics.jsonl" ]; then
+                cp "$scratch/step-train/metrics.jsonl" "$out/step-train-metrics.jsonl"
+              fi
+              ended "$log" "$status" "$seconds" "train.py's metrics so far are kept"
+              budget=$(left 5) bench step step-profile --side-by-side
+              rm -rf "$out/traces"  # Perfetto traces: too large to come back, and out of git anyway
+              local metrics=()
+              if [ -f "$out/step-train-metrics.jsonl" ]; then metrics=("$out/step-train-metrics.jsonl"); fi
+              if [ -f "$out/step-peer.json" ]; then  # the README's table, from the JSON just written
+                { python3 scripts/speed_table.py "$out/step-peer.json" "${metrics[@]}" \
+                    || echo "scripts/speed_table.py: exit $?"; } 2>&1 | tee -a "$log"
+              fi ;;
+    knobs)    bench knobs knobs --rows "$KNOB_ROWS" --no-peer --no-sampling --iters 20 --warmup 5 --num-images 16384 ;;
     headline) bench headline headline --rows "Baseline,resident data" --no-sampling ;;
     ladder)   bench ladder ladder --rows "$DEFAULT_ROWS" --no-peer --no-sampling --iters 20 --warmup 5 ;;
     profile)  budget=$((limit * 2 / 3)) bench profile profile --profile

@@ -39,3 +39,13 @@ def shapes_fid_dir(shapes_fid_stats):
         return str(folder)
     return make
 sys.path.insert(1, os.path.join(ROOT, 'scripts'))  # the scripts' modules (solver_accuracy, ...) for their tests
+
+
+@pytest.fixture(scope='session')
+def digits_judge(tmp_path_factory):
+    """The digits judge at 16x16, its classifier cached in a folder that both test workers share
+    (the base temporary folder's parent): trained once per test run, not once per module."""
+    import evaluation
+    cache = tmp_path_factory.getbasetemp().parent / 'digits-cache'
+    cache.mkdir(exist_ok=True)
+    return evaluation.DigitsJudge(16, str(cache))

@@ -18,6 +18,7 @@ import benchmark
 import data
 import devices
 import diffusion
+import profiling
 import roofline
 import timing
 import train
@@ -25,7 +26,8 @@ from model import PRESETS, get_config
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
-PARTS = ['headline', 'profile', 'ladder', 'gputests', 'autotune', 'graphs', 'quality', 'loaders', 'sweep', 'small']
+PARTS = ['step', 'knobs', 'headline', 'profile', 'ladder', 'gputests', 'autotune', 'graphs', 'quality', 'loaders',
+         'sweep', 'small']
 
 
 @pytest.fixture(scope='module')
@@ -33,8 +35,8 @@ def campaign(tmp_path_factory, root):
     """bash scripts/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
     form; two parts at a time, one thread each (their timings mean nothing on a CPU anyway)."""
     out = tmp_path_factory.mktemp('gpu-out')
-    lanes = [['gputests', 'autotune', 'graphs', 'small'],  # gputests: Inductor compiles our step, ~2 minutes
-             ['ladder', 'quality', 'profile', 'headline', 'loaders', 'sweep']]  # ~2.5 minutes together
+    lanes = [['gputests', 'autotune', 'graphs', 'small', 'step', 'knobs'],  # gputests: Inductor compiles our step
+             ['ladder', 'quality', 'profile', 'headline', 'loaders', 'sweep']]  # the longer lane (~2.5-5 minutes)
     assert sorted(sum(lanes, [])) == sorted(PARTS)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash scripts/measure_gpu.sh {part} {out} --quick'
@@ -60,7 +62,8 @@ def test_every_part_writes_at_most_eight_files(campaign):
                 if f.split('.')[0].split('-')[0] == part or (part == 'profile' and f.startswith('sampling'))]
         assert f'{part}-environment.txt' in mine and f'{part}.log' in mine, part
         assert len(mine) <= 8, (part, mine)
-    for stem in ('headline', 'ladder', 'profile', 'autotune', 'graphs', 'loaders', 'sweep', 'small'):
+    for stem in ('headline', 'ladder', 'profile', 'autotune', 'graphs', 'loaders', 'sweep', 'small', 'step-profile',
+                 'knobs'):
         assert (campaign / f'{stem}.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     assert '| Baseline' in (campaign / 'ladder.md').read_text()
 
@@ -89,13 +92,111 @@ def test_ladder_rows(campaign):
     assert fused['compile'] and fused['attention'] == 'sdpa' and fused['amp'] == 'bf16' and fused['fused_adam']
     tried = settings['Channels-last (tried: the rows below stay NCHW)']  # ... but a row that is only tried
     assert tried['channels_last'] and not fused['channels_last'] and not settings[names[-1]]['channels_last']
-    assert {**tried, 'name': '', 'channels_last': False} == {**settings[names[names.index(tried['name']) - 1]],
-                                                             'name': ''}  # one change from the row above it
+    assert {**tried, 'name': '', 'channels_last': False, 'carried': True} == {
+        **settings[names[names.index(tried['name']) - 1]], 'name': ''}  # one change from the row above it
     for part, planned in [('autotune', ['compile max-autotune (no CUDA graphs)']),
-                          ('graphs', ['compile reduce-overhead (CUDA graphs)', 'compile max-autotune + CUDA graphs'])]:
+                          ('graphs', ['compile reduce-overhead (CUDA graphs of the compiled loss)',
+                                      'compile max-autotune + CUDA graphs'])]:
         rows = load(campaign, part)['rows']
         assert rows[0]['name'].startswith('Baseline') and [r['name'] for r in rows[1:]] == planned
         assert all('CUDA' in r['skipped'] for r in rows[1:])  # GPU modes, with the reason
+
+
+@pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
+def test_step_part_alternates_ours_and_the_peer_then_profiles_both(campaign):
+    # measure_gpu.sh step: A B A B in one process, train.py's own log, both steps profiled side by
+    # side, and the README's table generated from the JSON (into the log).
+    pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
+    peer = load(campaign, 'step-peer')
+    assert peer['complete'] and peer['sweep'] == 'peer' and peer['base_row'] == timing.start_row(
+        benchmark.BenchConfig(), torch.device('cpu')).name
+    assert [r['settings']['network'] for r in peer['rows']] == ['ours', 'diffusers', 'ours', 'diffusers']
+    for ours, theirs in zip(peer['rows'][::2], peer['rows'][1::2]):  # the peer: our row's settings, its network
+        assert {**theirs['settings'], 'name': '', 'network': 'ours'} == {**ours['settings'], 'name': ''}
+    ours, theirs = ([r['img_per_s'] for r in peer['rows'][start::2]] for start in (0, 1))
+    comparison = peer['comparison']
+    assert comparison['ours_img_per_s'] == ours and comparison['peer_img_per_s'] == theirs
+    assert comparison['ratio'] == pytest.approx(sum(ours) / sum(theirs))
+    assert comparison['ratio_per_round'] == pytest.approx([o / t for o, t in zip(ours, theirs)])
+    assert f"ours {comparison['ratio']:.3f}x" in (campaign / 'step-peer.md').read_text()
+    profile = load(campaign, 'step-profile')
+    assert profile['row'] == peer['base_row'] and not profile['compiled'] and profile['target']['slug'] == 'cpu'
+    for key in ('ours', 'diffusers'):
+        network = profile['networks'][key]
+        shipped, eager, bounds = network['shipped'], network['eager'], network['bounds']
+        for name in ('convolution and matmul', 'normalisation', 'attention', 'optimizer and EMA'):
+            assert shipped['categories'][name] > 0 and bounds['categories'][name]['eager_ms'] > 0, (key, name)
+        for group in (profiling.RES_NORM, profiling.RES_CONV, profiling.ATTENTION, profiling.SAMPLING,
+                      profiling.OPTIMIZER, profiling.EMA):
+            assert eager['modules'][group] > 0 and bounds['modules'][group]['eager_ms'] > 0, (key, group)
+        assert sum(eager['modules'].values()) == pytest.approx(eager['ms_per_step'], rel=0.02)  # every op in a group
+        assert sum(b['eager_ms'] for b in bounds['modules'].values()) == pytest.approx(bounds['total']['eager_ms'])
+        # The backward is found in the modules whose forward made it: little is left outside the network.
+        assert eager['modules'][profiling.OUTSIDE] < 0.25 * eager['ms_per_step'], eager['modules']
+        assert bounds['modules'][profiling.OUTSIDE]['eager_ms'] < 0.05 * bounds['total']['eager_ms']
+    assert (profile['networks']['ours']['bounds']['total']['gflop_per_image']
+            == pytest.approx(profile['networks']['diffusers']['bounds']['total']['gflop_per_image']))  # one function
+    markdown = (campaign / 'step-profile.md').read_text()
+    assert '| ResBlocks: GroupNorm |' in markdown and 'Largest differences by category' in markdown
+    rows = [json.loads(line) for line in (campaign / 'step-train-metrics.jsonl').read_text().splitlines()]
+    assert rows[0]['config']['batch_size'] == 8 and rows[-1]['kind'] == 'done'
+    log = (campaign / 'step.log').read_text()
+    assert f"Ours {comparison['ratio']:.3f}x diffusers' UNet2DModel in our loop" in log and '| train.py (its own' in log
+    knobs = load(campaign, 'knobs')
+    assert [r['name'] for r in knobs['rows']] == [
+        'Device-resident data (gpu loader, in RAM)', 'fused GroupNorm (Triton)', 'Twice the batch (16)',
+        'cuDNN attention (SDPA backend)', 'Inductor coordinate-descent tuning']
+    assert [('skipped' in r) for r in knobs['rows']] == [False, True, False, True, True]  # CUDA's, with the reason
+
+
+def test_each_tried_row_changes_what_its_name_says(monkeypatch):
+    # The rows after the fastest default row are each one change from it and carried into none below;
+    # each change reaches what it names: train.py's config (and so the network), Inductor's config,
+    # the SDPA backend, the batch. The modes still start from the fastest default row.
+    cpu = torch.device('cpu')
+    bench = benchmark.resolve(benchmark.BenchConfig(device='cpu', preset='tiny', image_size=16), cpu)
+    rows = {r.name: r for r in timing.ladder(bench, cpu)}
+    base = rows['Device-resident data (gpu loader, in RAM)']
+    assert timing.start_row(bench, cpu) == base and base.carried
+    expected = {'compile reduce-overhead (CUDA graphs of the compiled loss)': {'compile_mode': 'reduce-overhead'},
+                'compile max-autotune (no CUDA graphs)': {'compile_mode': 'max-autotune-no-cudagraphs'},
+                'compile max-autotune + CUDA graphs': {'compile_mode': 'max-autotune'},
+                'fused GroupNorm (Triton)': {'fused_norm': True},
+                f'Twice the batch ({2 * bench.big_batch})': {'batch_size': 2 * bench.big_batch},
+                'cuDNN attention (SDPA backend)': {'sdpa_backend': 'cudnn'},
+                'Inductor coordinate-descent tuning': {'coordinate_descent': True}}
+    assert list(rows)[-len(expected):] == list(expected)
+    for name, change in expected.items():
+        assert dataclasses.replace(base, name=name, carried=False, **change) == rows[name], name
+    fused = rows['fused GroupNorm (Triton)']
+    cfg = timing.row_train_config(fused, bench, cpu, 'shapes')
+    assert cfg.fused_norm and train.model_config_of(cfg).fused_norm
+    assert not timing.row_train_config(base, bench, cpu, 'shapes').fused_norm
+    seen = {}
+
+    def spy(row_cfg, bench, device, dataset, make_model=None, compile_scope='loss'):
+        from torch._inductor import config
+        backends = [name for name in ('cudnn', 'flash', 'mem_efficient', 'math')
+                    if getattr(torch.backends.cuda, f'{name}_sdp_enabled')()]
+        seen[row_cfg.batch_size, row_cfg.fused_norm] = (config.coordinate_descent_tuning, backends, make_model)
+        raise RuntimeError('stop here')
+    monkeypatch.setattr(timing, 'build_row_run', spy)
+    monkeypatch.setattr(timing, 'skip_reason', lambda row, device: None)  # CUDA's rows, built here
+    dataset = data.ImageTensorDataset(data.make_shapes(64, 16))
+    for name in ('Inductor coordinate-descent tuning', 'cuDNN attention (SDPA backend)'):
+        seen.clear()
+        assert 'stop here' in timing.measure_row(rows[name], bench, cpu, dataset, 'shapes', {})['failed']
+        (tuning, backends, make_model), = seen.values()
+        assert tuning == (name == 'Inductor coordinate-descent tuning') and make_model is None
+        assert (backends == ['cudnn']) == (name == 'cuDNN attention (SDPA backend)'), backends
+    from torch._inductor import config
+    assert not config.coordinate_descent_tuning and torch.backends.cuda.flash_sdp_enabled()  # restored
+    peer = timing.sweep_rows('peer', base, bench, cpu)
+    assert [r.network for r in peer] == ['ours', 'diffusers'] * 2
+    assert peer[0] == dataclasses.replace(base, name=peer[0].name) == dataclasses.replace(peer[2], name=peer[0].name)
+    seen.clear()
+    timing.measure_row(peer[1], bench, cpu, dataset, 'shapes', {})
+    assert [v[2] for v in seen.values()] == [timing.DiffusersUNet]
 
 
 @pytest.mark.xdist_group('campaign')  # one worker runs the campaign, once
@@ -302,20 +403,27 @@ def test_a_ladder_killed_mid_way_keeps_its_finished_rows(tmp_path, root):
     process.send_signal(signal.SIGKILL)
     process.wait()
     result = json.loads(report.read_text())  # written by a rename: never half a file
-    assert not result['complete'] and len(result['rows_planned']) == 13
-    assert 2 <= len(result['rows']) < 13 and result['rows'][0]['img_per_s'] > 0
+    assert not result['complete'] and len(result['rows_planned']) == 17
+    assert 2 <= len(result['rows']) < 17 and result['rows'][0]['img_per_s'] > 0
     assert '(incomplete' in (out / 'killed.md').read_text()
 
 
 def test_a_part_cut_at_its_limit_keeps_its_rows_and_says_so(tmp_path, root):
     # Every part of measure_gpu.sh runs under `timeout $PART_LIMIT`: a command that must end inside
     # a fixed limit ends with the rows it finished, exit 0, and a line saying it was cut.
-    out = tmp_path / 'out'
-    result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'ladder', str(out), '--quick'], cwd=root,
-                            env={**os.environ, 'PART_LIMIT': '10', 'OMP_NUM_THREADS': '1'}, capture_output=True,
-                            text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert ('cut at 10 s (exit 124: the time limit, or a kill): ladder.json holds the rows finished before'
+    # A loaded machine may finish no row in the first limit (its log then says nothing was measured,
+    # also right): the limit grows until the cut falls after a row.
+    for limit in (15, 40, 90):
+        out = tmp_path / f'out-{limit}'
+        result = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'ladder', str(out), '--quick'], cwd=root,
+                                env={**os.environ, 'PART_LIMIT': str(limit), 'OMP_NUM_THREADS': '1'},
+                                capture_output=True, text=True, timeout=limit + 120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        if (out / 'ladder.json').exists():
+            break
+        assert f'cut at {limit} s (exit 124: the time limit, or a kill): before ladder.json was written: ' \
+               f'nothing measured' in (out / 'ladder.log').read_text()
+    assert (f'cut at {limit} s (exit 124: the time limit, or a kill): ladder.json holds the rows finished before'
             in (out / 'ladder.log').read_text())
     ladder = load(out, 'ladder')
     assert not ladder['complete'] and 1 <= len(ladder['rows']) < len(ladder['rows_planned'])
@@ -467,6 +575,7 @@ def test_mfu_uses_the_row_precision_and_overrides():
     (['--seed', '-1'], '--seed must be in [0, 4294967295]'),
     (['--peak-tflops', '0'], '--peak-tflops must be a positive number'),
     (['--sweep-values', '4'], '--sweep-values is not read by the ladder (no mode flag); it is read only by --sweep'),
+    (['--sweep', 'layout', '--sweep-values', '4,8'], '--sweep-values is not read by --sweep layout'),  # fixed points
     (['--steps', '5', '--profile'], '--steps is not read by --profile on a CPU; it is read only by --quality'),
     (['--gpu', 'h200'], '--gpu is not read by the ladder (no mode flag); it is read only by --roofline, --profile'),
     # a mode refuses every flag it does not read (MODE_READS), not only a hand-picked few
@@ -478,6 +587,9 @@ def test_mfu_uses_the_row_precision_and_overrides():
     (['--roofline', '--profile', '--peak-tflops', '100'], '--peak-tflops is not read by --profile on a CPU'),
     (['--sampling-only', '--from-row', 'Baseline', '--steps', '3'], '--steps is not read by --sampling-only'),
     (['--rows', 'Baseline,Chanels-last'], "'Chanels-last' matches no row"),
+    (['--side-by-side', '--gpu', 'h200'], '--gpu is not read by --side-by-side on a CPU'),
+    (['--side-by-side', '--rows', 'Baseline'], '--rows is not read by --side-by-side on a CPU'),
+    (['--side-by-side', '--sweep', 'peer'], 'choose one mode'),
 ])
 def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expected):
     args = ['--device', 'cpu', '--preset', 'tiny', '--quick', '--out-dir', str(tmp_path / 'out'),
@@ -488,7 +600,7 @@ def test_bad_flags_are_one_line_and_write_nothing(tmp_path, capsys, extra, expec
 
 
 @pytest.mark.parametrize('args, expected', [
-    ([], 'usage: bash scripts/measure_gpu.sh headline|profile|'), (['headline'], 'usage:'),
+    ([], 'usage: bash scripts/measure_gpu.sh step|knobs|headline|profile|'), (['headline'], 'usage:'),
     (['bogus', 'OUT'], 'usage:'),
     (['headline', 'OUT', '--fast'], 'usage:'), (['headline', 'OUT', '--quick', 'extra'], 'usage:'),
     (['headline', '', '--quick'], 'must be a folder'), (['headline', 'FILE', '--quick'], 'must be a folder'),
@@ -510,6 +622,20 @@ def test_measure_script_refuses_missing_wheels(tmp_path, root):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and 'diffusers==0.42.1' in result.stderr
     assert not list(tmp_path.iterdir())
+
+
+def test_measure_script_finds_no_gpu_before_installing_or_writing_anything(tmp_path, root):
+    # With the wheels at hand (stand-ins: empty files) and no GPU, the script stops at the device check:
+    # nothing installed (pip would fail on these files), no OUT_DIR made.
+    if __import__('torch').cuda.is_available():
+        pytest.skip('a GPU is here')
+    (tmp_path / '.whl').mkdir()
+    for wheel in ('diffusers-0.42.1', 'torchinfo-1.8.0', 'torch_fidelity-0.4.0'):
+        (tmp_path / '.whl' / f'{wheel}-py3-none-any.whl').write_bytes(b'')
+    result = subprocess.run(['bash', os.path.join(root, 'scripts', 'measure_gpu.sh'), 'headline', 'out'],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and 'no CUDA device' in result.stderr, result.stderr[-2000:]
+    assert len(result.stderr.splitlines()) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ['.whl']
 
 
 def test_a_run_without_flags_plans_what_the_device_can_time(tmp_path, capsys):

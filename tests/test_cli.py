@@ -17,16 +17,17 @@ FLAGS = {
     'train': ['--preset', '--dataset', '--data-dir', '--image-size', '--shapes-count', '--batch-size', '--epochs',
               '--steps', '--lr', '--warmup', '--grad-clip', '--ema-decay', '--dropout', '--schedule', '--prediction',
               '--loss-weight', '--snr-gamma', '--t-sampling', '--t-mean', '--t-scale', '--t-reweight',
-              '--no-t-reweight', '--input-perturbation', '--lr-decay', '--adam-beta2', '--ema-length', '--immiscible',
-              '--no-immiscible', '--attention',
+              '--no-t-reweight', '--input-perturbation', '--lr-decay', '--adam-beta2', '--ema-length', '--class-cond',
+              '--no-class-cond', '--label-drop', '--guidance', '--immiscible', '--no-immiscible', '--attention',
               '--compile', '--no-compile', '--compile-mode', '--amp', '--channels-last', '--no-channels-last',
-              '--fused-adam', '--no-fused-adam', '--loader', '--num-workers', '--log-every', '--heldout-size',
+              '--fused-adam', '--no-fused-adam', '--fused-norm', '--no-fused-norm', '--loader', '--num-workers', '--log-every', '--heldout-size',
               '--sample-every', '--sampler', '--sample-steps', '--num-samples', '--eval-every', '--eval-fid',
               '--no-eval-fid', '--eval-samples', '--eval-noise', '--stop-at-score', '--eval-bpd-images',
               '--eval-bpd-timesteps', '--inception-weights',
               '--ckpt-every', '--out-dir', '--samples-dir', '--resume', '--init-from', '--tensorboard',
               '--no-tensorboard', '--seed', '--device'],
-    'sample': ['--ckpt', '--num', '--sampler', '--steps', '--spacing', '--eta', '--variance', '--clip', '--batch-size',
+    'sample': ['--ckpt', '--num', '--sampler', '--steps', '--spacing', '--eta', '--variance', '--clip', '--label', '--guidance',
+               '--batch-size',
                '--out',
                '--format', '--grid', '--no-grid', '--weights', '--seed', '--device', '--amp', '--compile',
                '--no-compile', '--fid', '--no-fid', '--fid-data', '--data-dir', '--fid-stats', '--inception-weights',
@@ -35,7 +36,8 @@ FLAGS = {
                   '--big-batch', '--amp-dtype', '--num-workers', '--warmup', '--iters', '--rows', '--from-row',
                   '--tf32', '--no-tf32', '--stem', '--peer', '--no-peer', '--peak-tflops', '--peak-tflops-fp32',
                   '--quick', '--no-quick', '--compile-backend', '--profile', '--no-profile', '--sweep',
-                  '--sweep-values', '--loader-only', '--no-loader-only', '--sampling', '--no-sampling',
+                  '--sweep-values', '--side-by-side', '--no-side-by-side', '--loader-only', '--no-loader-only',
+                  '--sampling', '--no-sampling',
                   '--sampling-only', '--no-sampling-only', '--sample-batch', '--sample-compile-mode',
                   '--quality', '--no-quality', '--steps',
                   '--roofline', '--no-roofline', '--gpu', '--precision', '--bandwidth-gbs', '--out-dir', '--seed'],
@@ -64,6 +66,7 @@ class Ranges:
     rate: float | None = cli.flag(None, 'a rate', positive=True)
     decay: float = cli.flag(0.5, 'a decay', at_least=0, below=1)
     steps: int = cli.flag(5, 'steps', at_least=1, at_most=10)
+    mean: float | None = cli.flag(None, 'a mean, any finite number')
 
 
 @pytest.mark.parametrize('field, value, message', [
@@ -74,6 +77,8 @@ class Ranges:
     ('decay', 1.0, '--decay must be in [0, 1), got 1.0'),
     ('decay', float('nan'), '--decay must be in [0, 1), got nan'),
     ('steps', 11, '--steps must be in [1, 10], got 11'),
+    ('mean', float('nan'), '--mean must be a finite number, got nan'),  # a float without a declared range too
+    ('mean', float('-inf'), '--mean must be a finite number, got -inf'),
 ])
 def test_declared_ranges_refuse_what_is_outside(field, value, message):
     with pytest.raises(cli.ConfigError) as error:
@@ -83,7 +88,7 @@ def test_declared_ranges_refuse_what_is_outside(field, value, message):
 
 def test_declared_ranges_accept_their_edges_and_unresolved_defaults():
     cli.check_ranges(Ranges(count=1, every=0, rate=None, decay=0.0, steps=10))
-    cli.check_ranges(Ranges(rate=1e-300, decay=0.999999, steps=1))
+    cli.check_ranges(Ranges(rate=1e-300, decay=0.999999, steps=1, mean=-1e300))
     assert '(in [0, 1))' in cli.build_parser(Ranges, '').format_help()  # the range is in --help
 
 

@@ -18,8 +18,8 @@ import train
 
 
 @pytest.fixture(scope='module')
-def judge(tmp_path_factory):
-    return evaluation.DigitsJudge(16, str(tmp_path_factory.mktemp('digits-cache')))
+def judge(digits_judge):
+    return digits_judge
 
 
 @pytest.fixture(scope='module')

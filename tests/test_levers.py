@@ -208,7 +208,7 @@ def test_resume_is_exact_with_every_lever_on(tmp_path, monkeypatch):
 
 
 def test_a_lever_changed_at_a_resume_warns_and_applies(tmp_path, capsys):
-    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--lr-decay', 'cosine') == 0
+    assert run(tmp_path, '--steps', '4', '--sample-every', '0', '--lr-decay', 'cosine', '--warmup', '2') == 0
     path = str(tmp_path / 'run' / 'ckpt.pt')
     capsys.readouterr()
     assert train.cli(['--resume', path, '--steps', '6', '--adam-beta2', '0.95']) == 0

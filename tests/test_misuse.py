@@ -72,6 +72,34 @@ def test_init_from_non_finite_weights_is_refused_before_any_work(tmp_path, tiny_
     assert not (tmp_path / 'run').exists()
 
 
+@pytest.mark.parametrize('flags, expected', [
+    (['--t-sampling', 'laplace', '--t-mean', 'nan'], '--t-mean must be a finite number, got nan'),
+    (['--t-sampling', 'lognormal', '--t-mean=-inf'], '--t-mean must be a finite number, got -inf'),
+    (['--t-sampling', 'lognormal', '--t-mean', '30'], '--t-mean 30.0: outside [-4.61, 5.06]'),
+    (['--lr-decay', 'cosine', '--warmup', '50'], 'the warm-up (50 steps) lasts the whole run (4 steps)'),
+    (['--stop-at-score', '10', '--eval-every', '100000'], 'no evaluation would ever score it'),
+])
+def test_flags_that_would_fail_or_do_nothing_later_are_refused_before_any_work(tmp_path, capsys, flags, expected):
+    # Each passed validation before and then crashed at the first step (a NaN mean: an invalid multinomial),
+    # or ran without the effect it names (a decay that never begins, a stop that is never scored).
+    assert run(tmp_path, '--steps', '4', *flags) == 2
+    assert expected in one_error_line(capsys) and not (tmp_path / 'run').exists()
+
+
+def test_a_resume_turns_the_timestep_law_off(tmp_path, capsys):
+    # The replayed --t-mean, --t-scale and --t-reweight belong to the law saved with them: another law given
+    # at the resume drops them (with the warnings of a changed lever) instead of refusing the resume.
+    assert run(tmp_path, '--steps', '2', '--sample-every', '0', '--t-sampling', 'laplace', '--t-mean', '0.5',
+               '--t-scale', '0.8', '--t-reweight') == 0
+    path = str(tmp_path / 'run' / 'ckpt.pt')
+    capsys.readouterr()
+    assert train.cli(['--resume', path, '--steps', '3', '--t-sampling', 'uniform']) == 0
+    assert "warning: --t-sampling uniform (the checkpoint's: laplace)" in capsys.readouterr().err
+    config = torch.load(path, weights_only=True)['config']
+    assert (config['t_sampling'], config['t_mean'], config['t_scale'], config['t_reweight']) == ('uniform', None, None,
+                                                                                              False)
+
+
 # ----------------------------------------------------------------------------- files given by flags
 
 @pytest.mark.parametrize('key, value', [('layers_per_block', '1'), ('norm_num_groups', 0),

@@ -250,7 +250,7 @@ def test_load_diffusers_refuses_weights_it_has_no_place_for(tmp_path):
     theirs = small_diffusers_model()
     theirs.save_pretrained(tmp_path)
     weights = theirs.state_dict()
-    weights['class_embedding.weight'] = torch.zeros(10, 64)
+    weights['class_embedding.weight'] = torch.zeros(10, 64)  # an unconditional config.json: no place for it
     ours = UNet(diffusers_io.config_from_diffusers(dict(theirs.config)))
     with pytest.raises(KeyError, match='class_embedding'):
         diffusers_io.state_dict_from_diffusers(ours, weights)
@@ -265,3 +265,47 @@ def test_load_diffusers_missing_files(tmp_path):
     (tmp_path / 'config.json').write_text(json.dumps(dict(small_diffusers_model().config)))
     with pytest.raises(FileNotFoundError, match='safetensors'):
         diffusers_io.load_diffusers(str(tmp_path))
+
+
+def test_class_conditional_network_is_diffusers_with_num_class_embeds(tmp_path):
+    # num_classes=10: diffusers' UNet2DModel(num_class_embeds=11), the last embedding 'no class'.
+    # Same function in float64 for every label and for 'no class' (labels=None); exported and
+    # loaded back both ways with every weight, the class embedding's included.
+    config = get_config('tiny', dropout=0.0, num_classes=10, in_channels=1, image_size=16)
+    assert diffusers_io.diffusers_config(config)['num_class_embeds'] == 11
+    theirs = randomised(diffusers.UNet2DModel(**diffusers_io.diffusers_config(config)).double().eval(), 7)
+    ours = UNet(config).double().eval()
+    ours.load_state_dict(diffusers_io.state_dict_from_diffusers(ours, theirs.state_dict()))
+    x = torch.randn(4, 1, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    t, labels = torch.tensor([0, 300, 600, 999]), torch.tensor([3, 0, 9, 10])
+    null = torch.full((4,), 10)
+    with torch.no_grad():
+        a, b = ours(x, t, labels), theirs(x, t, class_labels=labels).sample
+        unconditional = ours(x, t)
+        assert (a - b).abs().max() <= 1e-12 * a.abs().max() and a.abs().max() > 0.5
+        assert torch.equal(unconditional, ours(x, t, null))
+        assert (unconditional - theirs(x, t, class_labels=null).sample).abs().max() <= 1e-12 * a.abs().max()
+        assert (ours(x, t, labels.roll(1)) - a).abs().max() > 1e-3  # the label matters
+    assert torch.equal(diffusers_io.state_dict_to_diffusers(ours)['class_embedding.weight'],
+                       theirs.state_dict()['class_embedding.weight'])
+    theirs.float().save_pretrained(tmp_path / 'unet')
+    loaded = diffusers_io.load_diffusers(str(tmp_path / 'unet'))
+    assert loaded.config.num_classes == 10
+    for key, value in loaded.state_dict().items():
+        assert torch.equal(value, ours.float().state_dict()[key]), key
+    with pytest.raises(ValueError, match='unconditional'):
+        UNet(get_config('tiny'))(torch.zeros(1, 3, 32, 32), torch.zeros(1, dtype=torch.long), torch.zeros(1).long())
+
+
+def test_checkpoints_with_the_attention_as_1x1_convs_still_load():
+    # The attention's projections were 1x1 convs, (out, in, 1, 1): the same numbers as the Linear layers'.
+    torch.manual_seed(0)
+    model = randomised(UNet(get_config('tiny', dropout=0.0)).double().eval(), 3)
+    old = {k: (v[:, :, None, None] if k.endswith(('.qkv.weight', '.1.proj.weight')) else v)
+           for k, v in model.state_dict().items()}
+    assert sum(v.dim() == 4 and v.shape[2:] == (1, 1) for v in old.values()) >= 2 * 3
+    loaded = UNet(get_config('tiny', dropout=0.0)).double().eval()
+    loaded.load_state_dict(old)
+    x, t = torch.randn(2, 3, 32, 32, dtype=torch.float64), torch.tensor([5, 900])
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t), model(x, t))

@@ -42,6 +42,38 @@ def test_the_digits_score_check_orders_its_sets(tmp_path):
     assert min(half) > 2 * floor and rows['held-out digits, all mirrored']['digits_fd'] > max(half)
 
 
+def test_a_stop_of_the_resampled_score_keeps_the_seeds_scored(tmp_path, monkeypatch, capsys):
+    # SIGTERM while seed 1 is drawn: it is scored, the report holds seeds 0 and 1 (written after each seed),
+    # seed 2 is never drawn, exit 0. Stand-ins for the checkpoint, the sampler and the judge: the loop is
+    # under test, not the score.
+    import os
+    import signal
+    import types
+
+    import torch
+    monkeypatch.setattr(digits_score.sample, 'load_model', lambda *args: (
+        None, types.SimpleNamespace(in_channels=1, image_size=16), None, 'eps'))
+    monkeypatch.setattr(digits_score.evaluation, 'DigitsJudge', lambda *args: types.SimpleNamespace(
+        features=lambda images: images, score=lambda features: {
+            'digits_fd': 10.0 + float(features.float().mean()), 'digits_kid': 1.0, 'digits_confident': 0.9}))
+    drawn = []
+
+    def draw(model, config, sched, sampling, device, **kwargs):
+        drawn.append(sampling.seed)
+        if sampling.seed == 1:
+            if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                pytest.fail('no stop handling: a SIGTERM would kill the script and lose the seeds scored')
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield torch.full((450, 1, 16, 16), sampling.seed, dtype=torch.uint8)
+    monkeypatch.setattr(digits_score, 'draw', draw)
+    assert digits_score.main(['--ckpt', 'stand-in.pt', '--resamples', '5', '--out-dir', str(tmp_path),
+                              '--data-dir', str(tmp_path / 'data')]) == 0
+    result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())
+    assert drawn == [0, 1] and [r['seed'] for r in result['rows']] == [0, 1]
+    assert not result['complete'] and result['stopped'] == 'SIGTERM' and result['seeds_planned'] == 5
+    assert 'stopped by SIGTERM after 2 of 5 seeds' in capsys.readouterr().out
+
+
 @pytest.mark.parametrize('script, args, expected', [
     (digits_figure, [], '--ckpt is required'),
     (digits_figure, ['--ckpt', 'x.pt', '--scale', '0'], '--scale must be in [1, 32]'),
@@ -53,6 +85,8 @@ def test_the_digits_score_check_orders_its_sets(tmp_path):
     (time_to_quality, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
     (time_to_quality, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
     (digits_score, ['--bogus'], 'unrecognized arguments'),
+    (digits_score, ['--resamples', '3'], '--resamples 3 resamples a checkpoint: pass --ckpt'),  # not ignored
+    (digits_score, ['--ckpt', 'x.pt', '--resamples', '99999999999'], '--resamples must be in [2, 1000]'),
     (solver_accuracy, ['--sample-batch', '0'], '--sample-batch must be at least 1'),
     (solver_accuracy, ['--stem', 'a/b'], 'a plain file name'),
     (time_to_quality, ['--eval-samples', '1'], '--eval-samples must be at least 2'),

@@ -721,11 +721,12 @@ def test_mfu_is_per_gpu(monkeypatch):
 def test_modules_import_only_the_layers_below_them():
     # cli at the bottom; the plumbing (files, devices, ranks, reports); then the model, the maths and the
     # data; diffusers' formats; our checkpoints; drawing images; evaluation; sampling and training's
-    # bookkeeping; training; the step's bound; the benchmark.
+    # bookkeeping; training; the step's bound and its profile; the benchmark. The Triton kernels sit
+    # under the model, which calls them.
     import ast
-    layer = {'cli': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3, 'diffusion': 3,
-             'data': 3, 'diffusers_io': 4, 'checkpoint': 5, 'drawing': 6, 'evaluation': 7, 'sample': 8,
-             'metrics': 8, 'train': 9, 'roofline': 10, 'timing': 10, 'benchmark': 11}
+    layer = {'cli': 0, 'kernels': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3,
+             'diffusion': 3, 'data': 3, 'diffusers_io': 4, 'checkpoint': 5, 'drawing': 6, 'evaluation': 7,
+             'sample': 8, 'metrics': 8, 'train': 9, 'roofline': 10, 'timing': 10, 'profiling': 11, 'benchmark': 12}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
@@ -1136,6 +1137,34 @@ def test_a_stop_during_an_evaluation_saves_that_step_and_owes_it(tmp_path, monke
     assert ckpt['step'] == 3 and ckpt['eval_owed'] and not eval_rows(tmp_path)  # that step, not the next
     assert run(tmp_path, *common, '--steps', '3', '--resume', 'auto') == 0  # at the target: it runs what it owes
     assert [r['step'] for r in eval_rows(tmp_path)] == [3] and not load_ckpt(tmp_path)['eval_owed']
+
+
+def test_an_owed_evaluation_that_reaches_the_stop_score_ends_the_run_as_the_uninterrupted_one(tmp_path, monkeypatch,
+                                                                                              shapes_fid_dir):
+    # --stop-at-score reached at the first evaluation (step 3): the uninterrupted run ends there; one stopped
+    # during that evaluation and resumed runs it first, and ends there too (not at the next one, step 6).
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    monkeypatch.setattr(evaluation, 'frechet_distance', lambda *args: 5.0)
+    common = ['--eval-every', '24', *EVAL, '--data-dir', shapes_fid_dir(tmp_path), '--stop-at-score', '10',
+              '--steps', '9']
+    assert run(tmp_path / 'whole', *common) == 0
+    bits, calls = evaluation.bits_per_image, []
+
+    def sigterm_in_the_first_evaluation(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return bits(*args, **kwargs)
+    monkeypatch.setattr(evaluation, 'bits_per_image', sigterm_in_the_first_evaluation)
+    assert run(tmp_path / 'split', *common) == 0
+    assert load_ckpt(tmp_path / 'split')['eval_owed']
+    assert run(tmp_path / 'split', *common, '--resume', 'auto') == 0
+    for folder in ('whole', 'split'):
+        assert metrics(tmp_path / folder)[-1] == {**metrics(tmp_path / folder)[-1], 'kind': 'done', 'step': 3}
+        assert [r['step'] for r in eval_rows(tmp_path / folder)] == [3]
+    whole, split = load_ckpt(tmp_path / 'whole'), load_ckpt(tmp_path / 'split')
+    assert split['step'] == 3 and not split['eval_owed']
+    assert all(torch.equal(whole['ema'][k], split['ema'][k]) for k in whole['ema'])
 
 
 def test_a_stop_during_start_up_exits_cleanly(tmp_path, monkeypatch, capsys):
