@@ -1,6 +1,7 @@
 """The statistics of the time-to-quality ladder (scripts/time_to_quality.py): when a run reaches a
-score, a lever's paired gain and the keep rule, the headline ratios with their 95% intervals, and
-each arm's summary over its seeds. Pure functions of the runs' curves, tested on hand-made numbers."""
+score, a lever's paired gain and the keep rule (with its false-keep rate and power), the headline
+ratios with their 95% intervals, and each arm's summary over its seeds. Pure functions of the runs'
+curves, tested on hand-made numbers."""
 import math
 import statistics
 
@@ -36,6 +37,8 @@ def t_quantile(df: float) -> float:
 
 def interval(values: list) -> dict:
     """Mean, sd and the 95% t-interval of the mean of `values` (paired differences, or log ratios)."""
+    if not values:
+        return {'mean': None, 'sd': None, 'low': None, 'high': None, 'n': 0}
     mean = statistics.mean(values)
     if len(values) < 2:
         return {'mean': mean, 'sd': None, 'low': None, 'high': None, 'n': len(values)}
@@ -44,24 +47,80 @@ def interval(values: list) -> dict:
     return {'mean': mean, 'sd': sd, 'low': mean - half, 'high': mean + half, 'n': len(values)}
 
 
-def paired_gain(lever, got: list, below: list, target: float, planned: int = None) -> dict:
-    """The lever's gain over the arm below, seed by seed (the same seeds): img/s gained over a run of
-    `planned` images (lever.judged_by 'speed': projected from a short run), or minutes to the target
-    saved ('time'; a run that never reached it counts its whole training, and any lever seed that did not
-    reach it makes the lever lose). Kept: the mean gain is larger than the pairs' spread (the sd of
-    the gains)."""
-    if lever.judged_by == 'speed':
+def images_to(result: dict, target: float) -> tuple:
+    """(images to the target, reached): a run that never reached it counts every image it trained (its
+    last evaluation's count), a lower bound of its images to it."""
+    got = reach(result['curve'], target)
+    return (got[0], True) if got else (result['curve'][-1]['images'], False)
+
+
+def keep_rule(gains: list, reached: bool, screen: int, confirm: int) -> dict:
+    """The keep rule on a lever's paired gains (seed by seed, the screen's pairs first): it passes the
+    screen when the mean of its first `screen` gains is above zero and every lever seed reached the
+    target; it is kept when, on `confirm` pairs or more, the 95% t-interval of the mean gain lies above
+    zero. Statuses: 'screen failed', 'pending' (screen passed, `needs` more pairs), 'not confirmed', 'kept'.
+    Under a lever of no effect (normal gains) the keep rate is at most P(t > t_0.975) = 2.5%, whatever
+    the screen (keep_rate gives it exactly); the screen spares confirmation runs to about half of them."""
+    if not reached or len(gains) < screen or statistics.mean(gains[:screen]) <= 0:
+        return {'status': 'screen failed', 'kept': False, 'needs': 0}
+    if len(gains) < confirm:
+        return {'status': 'pending', 'kept': False, 'needs': confirm - len(gains)}
+    low = interval(gains)['low']
+    kept = low is not None and low > 0
+    return {'status': 'kept' if kept else 'not confirmed', 'kept': kept, 'needs': 0}
+
+
+def keep_rate(gain: float, sd: float, screen: int = 3, confirm: int = 5, trials: int = 200_000,
+              seed: int = 0) -> float:
+    """The share of levers that keep_rule keeps when each pair's gain is drawn from N(gain, sd^2): the
+    false-keep rate at gain 0, the power above it (a seeded Monte Carlo of `trials` levers)."""
+    import numpy as np
+    draws = np.random.default_rng(seed).normal(gain, sd, (trials, confirm))
+    mean, spread = draws.mean(1), draws.std(1, ddof=1)
+    low = mean - t_quantile(confirm - 1) * spread / math.sqrt(confirm)
+    return float(np.mean((draws[:, :screen].mean(1) > 0) & (low > 0)))
+
+
+def pooled_sd(groups: list) -> float | None:
+    """The pairs' spread: the sd of paired gains pooled over levers (each group's variance weighted by
+    its degrees of freedom), what the keep rule's power is stated against."""
+    groups = [g for g in groups if len(g) > 1]
+    df = sum(len(g) - 1 for g in groups)
+    return math.sqrt(sum(statistics.variance(g) * (len(g) - 1) for g in groups) / df) if df else None
+
+
+def paired_gain(judged_by: str, got: list, below: list, target: float, planned: int = None, screen: int = 3,
+                confirm: int = 5) -> dict:
+    """A lever's gain over the arm below, seed by seed (the same seeds, the screen's first), decided by
+    keep_rule on what judges it: img/s gained over a run of `planned` images ('speed': projected from a
+    short run), images to the target saved ('images'), or training minutes to it saved ('minutes').
+    A run that never reached the target counts all it trained; a lever seed that did not reach it makes
+    the lever lose. Beside the deciding gain, each of images saved, img/s gained and minutes saved with
+    its own 95% interval (minutes = images / img/s)."""
+    if judged_by == 'speed':
         planned = planned if all('steady_img_per_s' in r for r in got + below) else None  # both sides alike
-        gains = [planned_img_per_s(g, planned) - planned_img_per_s(b, planned) for g, b in zip(got, below)]
+        side = {'img/s': [planned_img_per_s(g, planned) - planned_img_per_s(b, planned) for g, b in zip(got, below)]}
         reached = below_reached = True
     else:
-        mine, theirs = [[minutes_to(r, target) for r in runs] for runs in (got, below)]
-        gains, reached = [b[0] - g[0] for g, b in zip(mine, theirs)], all(g[1] for g in mine)
-        below_reached = all(b[1] for b in theirs)
-    gain = interval(gains)
-    return {**gain, 'gains': gains, 'unit': 'img/s' if lever.judged_by == 'speed' else 'minutes',
+        mine, theirs = [[(images_to(r, target), minutes_to(r, target)) for r in runs] for runs in (got, below)]
+        side = {'images': [b[0][0] - g[0][0] for g, b in zip(mine, theirs)],
+                'img/s': [g['img_per_s'] - b['img_per_s'] for g, b in zip(got, below)],
+                'minutes': [b[1][0] - g[1][0] for g, b in zip(mine, theirs)]}
+        reached, below_reached = all(g[0][1] for g in mine), all(b[0][1] for b in theirs)
+    gains = side['img/s' if judged_by == 'speed' else judged_by]
+    return {**interval(gains), **keep_rule(gains, reached, screen, confirm), 'gains': gains,
+            'unit': 'img/s' if judged_by == 'speed' else judged_by, 'reached': reached,
             'lower_bound': not below_reached,  # a run below never reached the target: the gain is at least this
-            'kept': reached and gain['sd'] is not None and gain['mean'] > gain['sd']}
+            'sides': {key: {**interval(values), 'values': values} for key, values in side.items()},
+            'same_evaluation': 0 if judged_by == 'speed' else sum(same_evaluation(g, b, target)
+                                                                    for g, b in zip(got, below))}
+
+
+def same_evaluation(got: dict, below: dict, target: float) -> bool:
+    """Whether two runs first reach the target at the same evaluation (where the grid, not the runs,
+    sets their difference: it comes from the interpolation alone)."""
+    first = [next((p['images'] for p in r['curve'] if p['score'] <= target), None) for r in (got, below)]
+    return first[0] is not None and first[0] == first[1]
 
 
 def planned_img_per_s(result: dict, planned: int = None) -> float:

@@ -301,11 +301,11 @@ def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path):
 
     import digits_score
     data_dir = os.path.join(os.path.dirname(os.path.dirname(digits_ckpt)), 'data')
-    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '3', '--data-dir', data_dir,
+    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '2', '--data-dir', data_dir,
                               '--out-dir', str(tmp_path)]) == 0
     result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())
     scores = [r['digits_fd'] for r in result['rows']]
-    assert [r['seed'] for r in result['rows']] == [0, 1, 2] and len(set(scores)) == 3  # other noise, other score
+    assert [r['seed'] for r in result['rows']] == [0, 1] and len(set(scores)) == 2  # other noise, other score
     assert result['sd'] == pytest.approx(statistics.stdev(scores)) and all(r['digits_samples'] == 450
                                                                             for r in result['rows'])
     # Sampling seed 0 is the noise train.py's evaluation draws at batch 32: the same images, the same score.
