@@ -220,7 +220,8 @@ def architecture_differences(theirs, config: UNetConfig) -> list:
     (a dict) differs from `config`; attention, dropout and the fused norm hold no weights and may differ."""
     theirs = theirs if isinstance(theirs, dict) else {}
     theirs = {'num_classes': 0, **theirs}  # a network from before class conditioning had no classes
-    return [f'{k}={theirs.get(k)!r} (now {v!r}{": channel counts differ" if k == "in_channels" else ""})'
+    why = {'in_channels': ': channel counts differ', 'num_classes': ': --class-cond differs'}
+    return [f'{k}={theirs.get(k)!r} (now {v!r}{why.get(k, "")})'
             for k, v in asdict(config).items()
             if _plain(theirs.get(k)) != _plain(v) and k not in ('attention', 'dropout', 'fused_norm')]
 

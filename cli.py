@@ -60,10 +60,10 @@ def check_ranges(config):
     ConfigError naming the flag."""
     for f in fields(config):
         value, bounds = getattr(config, f.name), f.metadata.get('bounds')
+        if isinstance(value, float) and not math.isfinite(value):  # first: 'inf' is '0 or more', only not finite
+            raise ConfigError(f'{flag_name(f.name)} must be a finite number, got {value}')
         if bounds and value is not None and not in_range(value, bounds):
             raise ConfigError(f'{flag_name(f.name)} must be {range_text(bounds)}, got {value}')
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f'{flag_name(f.name)} must be a finite number, got {value}')
 
 
 def check_plain_name(value: str, flag: str):

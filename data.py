@@ -137,13 +137,17 @@ def list_image_files(root: str) -> list:
 def folder_labels(root: str, paths: list) -> tuple:
     """(labels (N,) int64, class names) of image files under `root`, one class per top-level
     subfolder in sorted order (torchvision's ImageFolder convention); a file outside every
-    subfolder, or fewer than two classes, is refused with one line."""
+    subfolder, a subfolder without images, or fewer than two classes, is refused with one line."""
     tops = [os.path.relpath(path, root).split(os.sep) for path in paths]
     loose = [parts[0] for parts in tops if len(parts) == 1]
     if loose:
         raise DataError(f'--class-cond: {len(loose)} image(s) of {root!r} lie outside any class subfolder (such as '
                         f'{loose[0]!r}): put each image in the subfolder of its class')
     names = sorted({parts[0] for parts in tops})
+    empty = sorted(set(entry for entry in os.listdir(root) if os.path.isdir(os.path.join(root, entry))
+                       and not entry.startswith('.')) - set(names))
+    if empty:  # as torchvision's ImageFolder: a class without images would shift every later class's index
+        raise DataError(f'--class-cond: class subfolder {empty[0]!r} of {root!r} holds no images: fill it or remove it')
     if len(names) < 2:
         raise DataError(f'--class-cond: {root!r} holds {len(names)} class subfolder(s) ({", ".join(names)}); '
                         f'class-conditional training needs at least two')

@@ -243,7 +243,7 @@ class DigitsJudge:
         against the training split's digits of that class. Beside them: the floor, the held-out real
         digits with their true labels (the classifier's own accuracy and the per-class FDs of real
         digits), and a control that must fail, the same samples judged against shuffled labels
-        (about 10% for balanced classes)."""
+        (about 10% for balanced classes; None when one class was asked of all, which no shuffle moves)."""
         features, asked = self.features(images), asked.cpu().long()
         judged = self.classifier.head(torch.from_numpy(features).float()).argmax(1)
         heldout_judged = self.classifier.head(torch.from_numpy(self.heldout).float()).argmax(1)
@@ -258,8 +258,9 @@ class DigitsJudge:
                             else None,
                             'floor_accuracy': (heldout_judged[real] == c).double().mean().item(),
                             'floor_digits_fd': frechet_distance(statistics(self.heldout[real]), reference)}
+        one_class = len(per_class) == 1  # shuffling one class's labels changes nothing: no control
         return {'accuracy': (judged == asked).double().mean().item(), 'samples': len(images),
-                'shuffled_labels_accuracy': (judged == shuffled).double().mean().item(),
+                'shuffled_labels_accuracy': None if one_class else (judged == shuffled).double().mean().item(),
                 'floor_accuracy': (heldout_judged == self.heldout_labels).double().mean().item(),
                 'per_class': per_class}
 
@@ -269,10 +270,14 @@ def conditioning_summary(result: dict, guidance: float) -> str:
     classes = ', '.join(f"{c}: {r['accuracy']:.0%}" for c, r in result['per_class'].items())
     fds = ', '.join(f"{c}: {r['digits_fd']:.1f} ({r['floor_digits_fd']:.1f})" for c, r in result['per_class'].items()
                     if r['digits_fd'] is not None)
-    return (f"judged as the digit asked (guidance {guidance:g}): {result['accuracy']:.1%} of {result['samples']} "
-            f"samples (floor, held-out real digits: {result['floor_accuracy']:.1%}; control, the samples against "
-            f"shuffled labels: {result['shuffled_labels_accuracy']:.1%}); per class {classes}\n"
-            f"digits FD per class against the training digits of that class (floor in brackets): {fds}")
+    control = result['shuffled_labels_accuracy']
+    control = (f"control, the samples against shuffled labels: {control:.1%}" if control is not None else
+               "no control: one class asked of every sample")
+    lines = [f"judged as the digit asked (guidance {guidance:g}): {result['accuracy']:.1%} of {result['samples']} "
+             f"samples (floor, held-out real digits: {result['floor_accuracy']:.1%}; {control}); per class {classes}"]
+    if fds:  # a class needs two samples for a Frechet distance
+        lines.append(f"digits FD per class against the training digits of that class (floor in brackets): {fds}")
+    return '\n'.join(lines)
 
 
 # ----------------------------------------------------------------------------- bits/dim

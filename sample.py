@@ -370,7 +370,12 @@ def main(cfg: SampleConfig) -> dict:
             images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
             drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
                      'path': os.path.join(cfg.out, 'grid.png')}
-            write_grid_png(images, drawn['path'], config.num_classes if cfg.label == -1 else 0)
+            by_class = config.num_classes if cfg.label == -1 else 0
+            if by_class and len(images) % by_class:
+                print(f'--grid: {len(images)} images are not a whole row of each of the {by_class} classes: one '
+                      f'square grid, image i of class i mod {by_class} (--num {by_class * max(1, len(images) // by_class)} '
+                      f'gives a row per class)')
+            write_grid_png(images, drawn['path'], by_class)
         finally:
             release_lock()
         on_disk = images.split(cfg.batch_size)
@@ -418,6 +423,10 @@ def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, predic
                           f'({error})') from None
     print(f'wrote {cfg.export_diffusers}: a diffusers DDPMPipeline of the {cfg.weights} weights of {cfg.ckpt} '
           f'({diffusion.schedule_kind(sched)} schedule, T={sched.num_steps})')
+    if model.config.num_classes:  # DDPMPipeline passes no class_labels: the UNet is called directly
+        print(f'  class-conditional ({model.config.num_classes} classes, "no class" = {model.config.num_classes}): '
+              f'DDPMPipeline cannot draw it (it passes no class labels); call pipeline.unet(x, t, '
+              f'class_labels=...) in your own loop, or sample it here with sample.py --ckpt {cfg.export_diffusers}')
     return {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'export': cfg.export_diffusers}
 
 

@@ -45,7 +45,7 @@ class GuidanceConfig:
 
 def parse_scales(text: str) -> list:
     try:
-        scales = [float(part) for part in text.split(',') if part.strip()]
+        scales = [float(part) for part in text.split(',')]  # an empty item ('1,,2') is no number either
     except ValueError:
         raise ConfigError(f'--scales {text!r}: numbers separated by commas, such as 0,1,2') from None
     if not scales or any(not 0 <= s < float('inf') for s in scales) or len(set(scales)) != len(scales):

@@ -73,9 +73,9 @@ class Ranges:
     ('count', 0, '--count must be at least 1, got 0'),
     ('every', -1, '--every must be 0 or more, got -1'),
     ('rate', 0.0, '--rate must be a positive number, got 0.0'),
-    ('rate', float('inf'), '--rate must be a positive number, got inf'),
+    ('rate', float('inf'), '--rate must be a finite number, got inf'),
     ('decay', 1.0, '--decay must be in [0, 1), got 1.0'),
-    ('decay', float('nan'), '--decay must be in [0, 1), got nan'),
+    ('decay', float('nan'), '--decay must be a finite number, got nan'),
     ('steps', 11, '--steps must be in [1, 10], got 11'),
     ('mean', float('nan'), '--mean must be a finite number, got nan'),  # a float without a declared range too
     ('mean', float('-inf'), '--mean must be a finite number, got -inf'),

@@ -15,6 +15,7 @@ import checkpoint
 import data
 import diffusion
 import drawing
+import evaluation
 import sample
 import train
 
@@ -121,6 +122,12 @@ def test_a_folders_classes_are_its_subfolders_and_bad_folders_are_refused(tmp_pa
     Image.new('RGB', (8, 8)).save(tmp_path / 'one' / 'only' / 'a.png')
     with pytest.raises(data.DataError, match='1 class subfolder'):
         data.load_dataset('folder', str(tmp_path / 'one'), 8, labels=True)
+    os.makedirs(tmp_path / 'gap' / 'b')  # an empty class between two: the later one's index would shift
+    for name in ('a', 'c'):
+        os.makedirs(tmp_path / 'gap' / name)
+        Image.new('RGB', (8, 8)).save(tmp_path / 'gap' / name / 'x.png')
+    with pytest.raises(data.DataError, match="class subfolder 'b' .* holds no images"):
+        data.load_dataset('folder', str(tmp_path / 'gap'), 8, labels=True)
     with pytest.raises(data.DataError, match='shapes set has no labels'):
         data.load_dataset('shapes', '', 8, labels=True)
 
@@ -151,7 +158,7 @@ def test_class_conditional_training_resumes_exactly_and_refuses_a_change(tmp_pat
     for name, tensor in whole['model'].items():
         assert torch.equal(tensor, split['model'][name]), name
     for change, expected in ((['--label-drop', '0.2'], '--label-drop 0.1, this run 0.2'),
-                             (['--no-class-cond'], 'num_classes=10 (now 0)')):
+                             (['--no-class-cond'], 'num_classes=10 (now 0: --class-cond differs)')):
         capsys.readouterr()
         code, err = refusal(capsys, train.cli, ['--resume', ckpt, '--steps', '9', *change])
         assert code == 2 and expected in err and len(err.splitlines()) == 1
@@ -205,9 +212,13 @@ def test_sample_py_draws_to_order_and_refuses_what_cannot_be(conditional_ckpt, t
     try:
         assert sample.cli([*common, '--num', '12', '--batch-size', '5', '--out', str(tmp_path / 'each')]) == 0
         assert sample.cli([*common, '--num', '3', '--label', '7', '--guidance', '3', '--out', str(tmp_path / 's')]) == 0
+        capsys.readouterr()
+        assert sample.cli([*common, '--num', '15', '--grid', '--out', str(tmp_path / 'g')]) == 0
+        assert '15 images are not a whole row of each of the 10 classes' in capsys.readouterr().out
     finally:
         drawing_module.diffusion.guided = original
-    assert calls == [(list(range(5)), 1.0), ([5, 6, 7, 8, 9], 1.0), ([0, 1], 1.0), ([7, 7, 7], 3.0)]
+    assert calls == [(list(range(5)), 1.0), ([5, 6, 7, 8, 9], 1.0), ([0, 1], 1.0), ([7, 7, 7], 3.0),
+                     ([i % 10 for i in range(15)], 1.0)]
 
 
 def test_a_grid_of_each_class_has_a_row_per_class(tmp_path):
@@ -228,13 +239,17 @@ def test_the_judge_of_conditioning_has_its_floor_and_a_control_that_fails(digits
     assert 0.03 < right['shuffled_labels_accuracy'] < 0.2  # the control fails: about 10%
     for c, row in right['per_class'].items():
         assert abs(row['digits_fd'] - row['floor_digits_fd']) < 1e-9 and row['samples'] == (labels == c).sum()
+    threes = labels == 3  # one class asked of all: no shuffle moves the labels, so no control
+    alone = judge.conditioning(real[threes], labels[threes])
+    assert alone['shuffled_labels_accuracy'] is None and alone['accuracy'] > 0.9
+    assert 'no control: one class asked' in evaluation.conditioning_summary(alone, 1.0)
     wrong = judge.conditioning(real, (labels + 1) % 10)  # every digit asked as another
     assert wrong['accuracy'] < 0.05
     assert all(w['digits_fd'] > 5 * r['digits_fd'] for w, r in zip(wrong['per_class'].values(),
                                                                   right['per_class'].values()))
 
 
-def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(conditional_ckpt, tmp_path):
+def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(conditional_ckpt, tmp_path, capsys):
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
     ckpt = torch.load(conditional_ckpt, weights_only=True)
     generator = torch.Generator().manual_seed(0)
@@ -243,6 +258,7 @@ def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(co
     torch.save(ckpt, tmp_path / 'ckpt.pt')
     assert sample.cli(['--ckpt', str(tmp_path / 'ckpt.pt'), '--export-diffusers', str(tmp_path / 'pipe'), '--device',
                        'cpu']) == 0
+    assert 'DDPMPipeline cannot draw it (it passes no class labels)' in capsys.readouterr().out
     ours = checkpoint.model_from_checkpoint(ckpt, 'ema', 'ckpt')
     theirs = diffusers.UNet2DModel.from_pretrained(str(tmp_path / 'pipe' / 'unet')).eval()
     x, t, y = torch.randn(3, 1, 8, 8), torch.tensor([3, 300, 900]), torch.tensor([0, 9, 10])
@@ -266,7 +282,8 @@ def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkp
     sweep = ['--ckpt', str(tmp_path / 'run' / 'ckpt.pt'), '--num', '20', '--steps', '2', '--batch-size', '10',
              '--data-dir', cache, '--out-dir', str(out)]
     for bad, expected in ((['--scales', '1,-1'], 'each 0 or more'), (['--scales', '1,1'], 'distinct'),
-                          (['--scales', 'x'], 'numbers separated by commas')):
+                          (['--scales', 'x'], 'numbers separated by commas'),
+                          (['--scales', '1,,2'], 'numbers separated by commas')):
         code, err = refusal(capsys, guidance_sweep.main, [*sweep, *bad])
         assert code == 2 and expected in err and not out.exists()
     assert guidance_sweep.main([*sweep, '--scales', '0,2']) == 0

@@ -372,7 +372,7 @@ def _stderr_line(capsys):
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason='CUDA is available here')),
     (['--batch-size', 'many'], 'invalid'),
     (['--lr=-1e-4'], '--lr must be a positive number'),
-    (['--lr', 'nan'], '--lr must be a positive number'),
+    (['--lr', 'nan'], '--lr must be a finite number, got nan'),
     (['--dropout', '2'], '--dropout must be in [0, 1)'),
     (['--ema-decay', '1.5'], '--ema-decay must be in [0, 1)'),
     (['--grad-clip', '-1'], '--grad-clip must be 0'),
