@@ -83,6 +83,17 @@ def refused_as(what: str):
         raise ConfigError(f'{what}: {error}') from None
 
 
+def int_list(text: str, flag: str) -> tuple:
+    """'1,2,2' -> (1, 2, 2): positive whole numbers, comma-separated, or a ConfigError naming the flag."""
+    try:
+        values = tuple(int(part) for part in text.split(','))
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise ConfigError(f'{flag} {text!r}: give positive whole numbers separated by commas, such as 1,2,2')
+    return values
+
+
 def flag_name(field_name: str) -> str:
     return '--' + field_name.replace('_', '-')
 

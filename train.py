@@ -31,7 +31,7 @@ import metrics
 from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, resume_settings,
                         save_checkpoint, warn_of_changes)
 from cli import (ConfigError, StopFlag, StopRequested, brief, changed_fields, check_ranges, flag, given_fields,
-                 parse_config, refused_as, run_main)
+                 int_list, parse_config, refused_as, run_main)
 from devices import autocast, cpu_has_native_bf16, own_rng, pick_device
 from distributed import (agreed_stop, any_rank, gather_to_rank0, init_process_group, on_all_ranks, ranks_identical,
                          setup_distributed)
@@ -48,6 +48,15 @@ COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-
 @dataclass
 class TrainConfig:
     preset: str = flag('ddpm-cifar10', 'UNet preset', choices=tuple(PRESETS))
+    base_channels: int | None = flag(None, 'the UNet\'s width: channels of its first level (default: the preset\'s; '
+                                           'ddpm-cifar10 128, small 64, tiny 16)', at_least=1)
+    channel_mults: str | None = flag(None, 'channel multiplier of each level, comma-separated, one level per entry, '
+                                           'the image halved between levels (default: the preset\'s; ddpm-cifar10 '
+                                           '1,2,2,2, tiny 1,2,2)')
+    blocks_per_level: int | None = flag(None, 'residual blocks per level (default: the preset\'s; ddpm-cifar10 2, '
+                                              'tiny 1)', at_least=1)
+    attn_resolutions: str | None = flag(None, 'resolutions whose levels have self-attention, comma-separated, or '
+                                              'none (default: the preset\'s; ddpm-cifar10 16, tiny 8)')
     dataset: str = flag('cifar10', 'data set (digits: scikit-learn\'s 1,797 handwritten digits, one channel, no '
                                    'download)', choices=data.DATASETS)
     data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file '
@@ -231,7 +240,16 @@ def model_config_of(cfg: TrainConfig):
     return get_config(cfg.preset, image_size=cfg.image_size, dropout=cfg.dropout, attention=cfg.attention,
                       in_channels=data.channels_of(cfg.dataset),
                       num_classes=len(data.class_names(cfg.dataset, cfg.data_dir)) if cfg.class_cond else 0,
-                      fused_norm=cfg.fused_norm)
+                      fused_norm=cfg.fused_norm, **shape_of(cfg))
+
+
+def shape_of(cfg: TrainConfig) -> dict:
+    """The UNetConfig fields the shape flags set (those given; the others stay the preset's)."""
+    shape = {'base_channels': cfg.base_channels, 'blocks_per_level': cfg.blocks_per_level,
+             'channel_mults': cfg.channel_mults and int_list(cfg.channel_mults, '--channel-mults'),
+             'attn_resolutions': cfg.attn_resolutions and (
+                 () if cfg.attn_resolutions.strip() == 'none' else int_list(cfg.attn_resolutions, '--attn-resolutions'))}
+    return {name: value for name, value in shape.items() if value is not None}
 
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
@@ -582,8 +600,13 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     ffcv_missing = data.ffcv_missing_reason() if cfg.dataset == 'beton' else None  # importing ffcv costs seconds
     if ffcv_missing:
         raise ConfigError(f'--loader ffcv / --dataset beton: {ffcv_missing}')
-    with refused_as(f'--image-size {cfg.image_size}'):
-        model_config_of(cfg)
+    with refused_as(f'--image-size {cfg.image_size}' if not shape_of(cfg) else 'the UNet\'s shape (--preset '
+                    f'{cfg.preset}, --image-size {cfg.image_size} and the shape flags)'):
+        config = model_config_of(cfg)
+    levels = [config.image_size // 2 ** i for i in range(len(config.channel_mults))]
+    if cfg.attn_resolutions and set(config.attn_resolutions) - set(levels):
+        raise ConfigError(f'--attn-resolutions {cfg.attn_resolutions}: this UNet\'s levels '
+                          f'are at {", ".join(map(str, levels))} pixels; attention elsewhere would never run')
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -100,6 +100,25 @@ def prediction_arms() -> list:
             Arm('v + Min-SNR-5', 'both', BASELINE + ['--prediction', 'v', '--loss-weight', 'min-snr'])]
 
 
+def shape_arms() -> list:
+    """The tiny preset's shape (base 16 channels, multipliers 1,2,2, one block per level, attention at 8x8)
+    against narrower, wider and deeper, without attention, with two levels, and narrow with twice the peak lr: each
+    at the baseline's settings otherwise. Each changes the step's work: judged on images to the target,
+    and on minutes through img/s measured interleaved in one process (scripts/arm_speed.py)."""
+    return [BASELINE_ARM,
+            Arm('width 8', 'base channels 8 (the preset: 16)', BASELINE + ['--base-channels', '8']),
+            Arm('width 32', 'base channels 32', BASELINE + ['--base-channels', '32']),
+            Arm('depth 2', 'two residual blocks per level (the preset: one)', BASELINE + ['--blocks-per-level', '2']),
+            Arm('no attention', 'no self-attention (the preset: at 8x8)', BASELINE + ['--attn-resolutions', 'none']),
+            Arm('two levels', 'channel multipliers 1,2: the 4x4 level left out',
+                BASELINE + ['--channel-mults', '1,2']),
+            Arm('width 8, peak lr 4e-3', "base channels 8 and twice the preset's peak lr",
+                BASELINE + ['--base-channels', '8', '--lr', '4e-3'])]
+
+
+STUDIES = {'prediction': prediction_arms, 'shape': shape_arms}  # side-by-side ladders: each arm on the baseline
+
+
 def decay_plan(cfg) -> int:
     return cfg.decay_images or max(1, cfg.images // 2)
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import ConfigError, StopFlag, check_ranges, parse_config, run_main  # noqa: E402
 from devices import device_name, device_slug, pick_device  # noqa: E402
 from ladder_arms import decay_plan, slug  # noqa: E402
-from ladder_stats import (keep_rate, mean_sd, paired_ratio, pooled_sd, score_at, summarise,  # noqa: E402
+from ladder_stats import (images_to, keep_rate, mean_sd, paired_ratio, pooled_sd, score_at, summarise,  # noqa: E402
                           unpaired_ratio)
 from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
 
@@ -28,7 +28,7 @@ TRIALS = 200_000  # Monte Carlo levers behind the stated false-keep rate and pow
 
 def stem_of(cfg) -> str:
     return cfg.stem or (f'{device_slug(pick_device(cfg.device))}-{cfg.dataset}-'
-                        f'{"time-to-quality" if cfg.ladder == "speed" else "prediction-study"}')
+                        f'{"time-to-quality" if cfg.ladder == "speed" else cfg.ladder + "-study"}')
 
 
 def record(done: dict, cfg, floor) -> dict:
@@ -44,9 +44,10 @@ def record(done: dict, cfg, floor) -> dict:
                    and r['run']['seed'] < cfg.seeds} for name, rs in runs.items()}
     summary = summarise({n: list(full[n].values()) or rs for n, rs in runs.items()}, targets)  # speed arms: short
 
-    def paired(name, against='baseline', to=target):
+    def paired(name, against='baseline', to=target, measure=None):
         seeds = sorted(set(full[name]) & set(full[against]))
-        return paired_ratio([full[against][s] for s in seeds], [full[name][s] for s in seeds], to) if seeds else None
+        return paired_ratio([full[against][s] for s in seeds], [full[name][s] for s in seeds], to,
+                            measure) if seeds else None
     headline, name = {}, done['fastest']
     if name == 'baseline':
         headline['no lever was kept: the headline arm is the baseline'] = None
@@ -59,9 +60,10 @@ def record(done: dict, cfg, floor) -> dict:
     if name and name != 'baseline':
         headline[f"{name} against the baseline, to {targets['easy_target']:.2f} (paired by seed)"] = paired(
             name, to=targets['easy_target'])
-    if cfg.ladder == 'prediction':
-        headline = {f'{name} against the baseline, to {target:.2f} (paired by seed)': paired(name)
-                    for name in full if name != 'baseline'}
+    if cfg.ladder != 'speed':  # a study: each arm on the baseline, in minutes and in images
+        headline = {f'{name} against the baseline, to {target:.2f} (paired by seed{", in images" * by_images})':
+                    paired(name, measure=images_to if by_images else None)
+                    for name in full if name != 'baseline' for by_images in (False, True)}
     arms = {name: {**asdict(next(iter(ladder.runs[name])).arm), **summary[name],
                    'images_per_run': planned[name] if full[name] else runs[name][0]['run']['images'],
                    **({'screen': done['screened'][name]} if name in done['screened'] else {})} for name in runs}
@@ -193,7 +195,7 @@ def report(result: dict, cfg):
     if result['unfinished']:
         body = f"**Unfinished**: the parts that have run so far ({result['unfinished']}).\n\n" + body
     if result['headline']:
-        body += '\n\n### Headline: minutes to the target, ratio [95% interval]\n\n' + '\n'.join(
+        body += '\n\n### Headline: minutes to the target (images where said), ratio [95% interval]\n\n' + '\n'.join(
             f"- {label}" + (f": {ratio_text(value)}" if value is not None or 'no lever' not in label else '')
             for label, value in result['headline'].items())
     if len(result['machines']) > 1:

@@ -131,11 +131,11 @@ def planned_img_per_s(result: dict, planned: int = None) -> float:
     return planned / (result['first_step_s'] + (planned - result['batch']) / result['steady_img_per_s'])
 
 
-def paired_ratio(base: list, fast: list, target: float) -> dict | None:
-    """Minutes to the target, base over fast, seed by seed: the geometric mean ratio with its 95%
-    interval (a t-interval of the log ratios). None unless every fast seed reaches it; a bound when a
-    base seed does not (its whole training time counted)."""
-    theirs, mine = [[minutes_to(r, target) for r in runs] for runs in (base, fast)]
+def paired_ratio(base: list, fast: list, target: float, measure=None) -> dict | None:
+    """Minutes (or, with measure=images_to, images) to the target, base over fast, seed by seed: the
+    geometric mean ratio with its 95% interval (a t-interval of the log ratios). None unless every fast
+    seed reaches it; a bound when a base seed does not (its whole training time counted)."""
+    theirs, mine = [[(measure or minutes_to)(r, target) for r in runs] for runs in (base, fast)]
     if not all(m[1] for m in mine):
         return None
     logs = interval([math.log(t[0] / m[0]) for t, m in zip(theirs, mine)])

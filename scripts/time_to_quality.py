@@ -54,7 +54,7 @@ from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, 
 from devices import cpu_has_native_bf16, pick_device  # noqa: E402
 from diffusers_io import diffusers_missing_reason  # noqa: E402
 from files import atomic_open, check_creatable, check_writable, folder_in_use  # noqa: E402
-from ladder_arms import BASELINE, BASELINE_ARM, Arm, Lever, chosen, decay_plan, prediction_arms, slug  # noqa: E402
+from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, Lever, chosen, decay_plan, slug  # noqa: E402
 from ladder_curves import (check_runs_dir, claim_runs_dir, impossible, ladder_identity, sealed,  # noqa: E402
                            stop_index)
 from ladder_recipe import recipe_arm, recipe_settings  # noqa: E402
@@ -68,9 +68,10 @@ PARTS = ('baseline', 'speed', 'quality', 'fastest', 'peer')
 
 @dataclass
 class LadderConfig:
-    ladder: str = flag('speed', 'which arms: speed (the baseline, the levers, the diffusers recipe) or prediction '
-                                '(the paper\'s eps and L_simple against v-prediction, Min-SNR-5 and both)',
-                       choices=('speed', 'prediction'))
+    ladder: str = flag('speed', 'which arms: speed (the baseline, the levers, the diffusers recipe), prediction '
+                                '(the paper\'s eps and L_simple against v-prediction, Min-SNR-5 and both) or shape '
+                                '(the tiny UNet narrower, wider, deeper, without attention, with two levels)',
+                       choices=('speed', *STUDIES))
     arms: str = flag('', 'comma-separated levers and diffusers variants in the ladder (default: all; the baseline and '
                          'the diffusers recipe at its own settings always run): a smaller ladder')
     train: str = flag('', 'comma-separated parts whose runs this command trains (' + ', '.join(PARTS) + '; default: '
@@ -108,7 +109,7 @@ class LadderConfig:
     runs_dir: str = flag('runs/time-to-quality', 'where the runs in progress go (and the recipe\'s PNG copy of the '
                                                  'data)')
     out_dir: str = flag('results', 'where the report and the finished runs\' curves go')
-    stem: str = flag('', 'report file name stem (default: <device>-<dataset>-time-to-quality, or -prediction-study)')
+    stem: str = flag('', 'report file name stem (default: <device>-<dataset>-time-to-quality, or -<ladder>-study)')
     workers: int = flag(1, 'runs trained at once, each in its own process (then set OMP_NUM_THREADS; times are '
                            'then of a shared machine)', at_least=1)
     retrain: str = flag('', 'comma-separated finished runs to train again, replacing their curves (the names of '
@@ -534,7 +535,7 @@ def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int,
 
 def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry: bool = False,
                  trains: set = None) -> dict | None:
-    """The prediction ladder: every arm on the baseline, --seeds seeds each."""
+    """A study (--ladder prediction or shape): every arm on the baseline, --seeds seeds each."""
     ladder = Ladder(cfg, identity, stop, dry, trains)
     base = ladder.get('baseline', BASELINE_ARM, range(cfg.seeds), cfg.images, target)
     if base is None:
@@ -543,7 +544,7 @@ def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dic
             'stopped_at': None, 'planned': {},  # the headline arms' planned images where they are not --images
             'targets': {'target': target, 'easy_target': max(score_at(r, cfg.easy_at) for r in base)}}
     try:
-        for arm in chosen(cfg, prediction_arms()[1:]):
+        for arm in chosen(cfg, STUDIES[cfg.ladder]()[1:]):
             if ladder.get('quality', arm, range(cfg.seeds), cfg.images, target) is None:
                 return None
     except Missing as missing:
@@ -580,8 +581,8 @@ def check_arms(cfg: LadderConfig):
     levers = speed_levers(device, cfg) if cfg.ladder == 'speed' else []
     budgets = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), cfg.speed_images if
                                                lv.judged_by == 'speed' else lv.images or cfg.images) for lv in levers]
-    if cfg.ladder == 'prediction':
-        budgets = [(arm, cfg.images) for arm in chosen(cfg, prediction_arms())]
+    if cfg.ladder in STUDIES:
+        budgets = [(arm, cfg.images) for arm in chosen(cfg, STUDIES[cfg.ladder]())]
     else:
         if reason := diffusers_missing_reason():
             raise ConfigError(f'the diffusers recipe arms: {reason}')
@@ -603,7 +604,7 @@ def check_arms(cfg: LadderConfig):
 
 
 def check_names(cfg: LadderConfig):
-    every = {a.name for a in prediction_arms()} if cfg.ladder == 'prediction' else {
+    every = {a.name for a in STUDIES[cfg.ladder]()} if cfg.ladder in STUDIES else {
         x.name for x in ladder_arms.levers(cfg, ours(cfg), bf16=True) +
         recipe_variants(dataclasses.replace(cfg, arms=''))}
     unknown = [n for n in names_in(cfg.arms, '--arms') if n not in every]
@@ -625,8 +626,8 @@ def check_run_lengths(cfg: LadderConfig, target: float):
     if levers:
         every = Arm('every lever', '', BASELINE + [f for lv in levers for f in lv.flags])
         arms += [(every, images) for images in {cfg.images, decay_plan(cfg)}]
-    if cfg.ladder == 'prediction':
-        arms = [(arm, cfg.images) for arm in chosen(cfg, prediction_arms())]
+    if cfg.ladder in STUDIES:
+        arms = [(arm, cfg.images) for arm in chosen(cfg, STUDIES[cfg.ladder]())]
     for arm, images in arms:
         try:
             run_flags(cfg, Job(arm, 0, images, target), os.path.join(cfg.runs_dir, 'check'))
