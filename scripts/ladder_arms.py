@@ -112,7 +112,7 @@ def shape_arms() -> list:
             Arm('no attention', 'no self-attention (the preset: at 8x8)', BASELINE + ['--attn-resolutions', 'none']),
             Arm('two levels', 'channel multipliers 1,2: the 4x4 level left out',
                 BASELINE + ['--channel-mults', '1,2']),
-            Arm('width 8, peak lr 4e-3', "base channels 8 and twice the preset's peak lr",
+            Arm('width 8 + peak lr 4e-3', "base channels 8 and twice the preset's peak lr",
                 BASELINE + ['--base-channels', '8', '--lr', '4e-3'])]
 
 
