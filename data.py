@@ -218,11 +218,14 @@ def load_cifar10(data_dir: str, train: bool, download: bool = True, flag: str = 
     """CIFAR-10 through torchvision, as (N, 3, 32, 32) uint8 (and with labels=True its (N,) int64
     labels: (images, labels)); downloads into data_dir if it is missing, and says what to pass
     instead when that is impossible (offline): `flag` is the caller's flag that names the data set."""
-    from torchvision.datasets import CIFAR10
-    try:
-        return _cifar10_images(CIFAR10(data_dir, train=train, download=False), labels)
-    except RuntimeError:
-        pass  # not there (or corrupt): try the download
+    on_disk = os.path.isdir(os.path.join(data_dir, 'cifar-10-batches-py'))
+    if on_disk or download:  # importing torchvision costs seconds (it loads torch._dynamo): only to read or fetch
+        from torchvision.datasets import CIFAR10
+    if on_disk:
+        try:
+            return _cifar10_images(CIFAR10(data_dir, train=train, download=False), labels)
+        except RuntimeError:
+            pass  # corrupt: try the download
     hint = (f"put the python version of CIFAR-10 (cifar-10-batches-py/ from "
             f"https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz) under {data_dir!r} or pass "
             f"--data-dir to where it is; or do without a download: {flag} digits (scikit-learn's 1,797 real "

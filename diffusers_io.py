@@ -4,6 +4,7 @@ DDPMPipeline folder), and the two peers benchmark.py times beside our fastest ro
 a model of ours (DiffusersUNet) and the training loop of diffusers' example (recipe_*). The two
 networks compute the same function (tests/test_model.py); only the names and the layout of the
 weights differ (ours fuses q, k and v into one linear layer)."""
+import importlib.util
 import json
 import math
 import os
@@ -454,9 +455,9 @@ def recipe_batches(loader):
 
 
 def diffusers_missing_reason() -> str | None:
-    try:
-        import diffusers  # noqa: F401
-    except ImportError:
+    """Why diffusers cannot be used, or None; found without importing it (that loads torch._dynamo:
+    seconds), so that a check before any work stays cheap."""
+    if importlib.util.find_spec('diffusers') is None:
         return 'diffusers is not installed (pip install diffusers)'
     return None
 

@@ -61,8 +61,9 @@ class Metrics:
             self.last = row
 
     def draw_curves(self, force: bool = False):
-        """Redraws OUT/curves.png from metrics.jsonl (at every evaluation and at the end; after a
-        log row at most once every 30 s, since matplotlib costs about a second)."""
+        """Redraws OUT/curves.png from metrics.jsonl: after an evaluation or a log row at most once
+        every 30 s (matplotlib costs about a second, as much as a small run's evaluation), and at the
+        end of the run (force)."""
         if not self.active or (not force and time.perf_counter() - self.curves_drawn < 30):
             return
         with self.paused():

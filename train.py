@@ -56,7 +56,8 @@ class TrainConfig:
     blocks_per_level: int | None = flag(None, 'residual blocks per level (default: the preset\'s; ddpm-cifar10 2, '
                                               'tiny 1)', at_least=1)
     attn_resolutions: str | None = flag(None, 'resolutions whose levels have self-attention, comma-separated, or '
-                                              'none (default: the preset\'s; ddpm-cifar10 16, tiny 8)')
+                                              'none (the middle block keeps its own; default: the preset\'s; '
+                                              'ddpm-cifar10 16, tiny 8)')
     dataset: str = flag('cifar10', 'data set (digits: scikit-learn\'s 1,797 handwritten digits, one channel, no '
                                    'download)', choices=data.DATASETS)
     data_dir: str = flag('./data', 'CIFAR-10 root (downloaded there if missing), image folder, or .beton file '
@@ -686,7 +687,7 @@ def evaluate(run: Run, evaluator, log, step: int) -> dict | None:
                    f"samples, {row['digits_confident']:.0%} confident)")
         log.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
                   f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
-        log.draw_curves(force=True)
+        log.draw_curves()
     return row
 
 

@@ -109,7 +109,8 @@ def shape_arms() -> list:
             Arm('width 8', 'base channels 8 (the preset: 16)', BASELINE + ['--base-channels', '8']),
             Arm('width 32', 'base channels 32', BASELINE + ['--base-channels', '32']),
             Arm('depth 2', 'two residual blocks per level (the preset: one)', BASELINE + ['--blocks-per-level', '2']),
-            Arm('no attention', 'no self-attention (the preset: at 8x8)', BASELINE + ['--attn-resolutions', 'none']),
+            Arm('no attention', 'no self-attention in the levels (the preset: at 8x8; the middle block keeps its '
+                'own at 4x4)', BASELINE + ['--attn-resolutions', 'none']),
             Arm('two levels', 'channel multipliers 1,2: the 4x4 level left out',
                 BASELINE + ['--channel-mults', '1,2']),
             Arm('width 8 + peak lr 4e-3', "base channels 8 and twice the preset's peak lr",

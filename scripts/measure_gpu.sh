@@ -24,7 +24,7 @@
 #   profile   torch.profiler of the fastest default-compile row's step, each category beside its bound on
 #             this GPU (counted op by op: benchmark.py --roofline), and sampling speed
 #   gputests  tests/test_gpu.py and a short train.py run with --compile (img/s as train.py logs it; in
-#             the --quick form the one part where Inductor compiles our step, for the CPU)
+#             the --quick form eager: Inductor's C++ build of the step took minutes of the CPU tests)
 #   autotune  the compile max-autotune row without CUDA graphs (minutes of autotuning)
 #   graphs    the reduce-overhead row (CUDA graphs, no autotuning), then max-autotune + CUDA graphs
 #             (autotunes again: no cache survives between commands)
@@ -74,7 +74,7 @@ if [ "$quick" = "--quick" ]; then
   common=(--device cpu --quick --data-dir "$scratch/data")
   preset=tiny; small_preset=tiny; small_rows=Baseline  # the other rows are the ladder part's, with tiny too
   sweep_values=4,8,16
-  train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3 --compile)  # Inductor, ~2 min
+  train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3)
   step_train=(--device cpu --preset tiny --image-size 16 --batch-size 8 --shapes-count 64 --steps 6 --log-every 3)
 else
   for pin in "${PINNED[@]}"; do

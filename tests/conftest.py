@@ -42,10 +42,16 @@ sys.path.insert(1, os.path.join(ROOT, 'scripts'))  # the scripts' modules (solve
 
 
 @pytest.fixture(scope='session')
-def digits_judge(tmp_path_factory):
-    """The digits judge at 16x16, its classifier cached in a folder that both test workers share
-    (the base temporary folder's parent): trained once per test run, not once per module."""
-    import evaluation
+def digits_cache(tmp_path_factory):
+    """A --data-dir for the digit classifier's cache that both test workers share (the base temporary
+    folder's parent): the classifier is trained once per test run, not once per test."""
     cache = tmp_path_factory.getbasetemp().parent / 'digits-cache'
     cache.mkdir(exist_ok=True)
-    return evaluation.DigitsJudge(16, str(cache))
+    return str(cache)
+
+
+@pytest.fixture(scope='session')
+def digits_judge(digits_cache):
+    """The digits judge at 16x16, its classifier in the shared cache."""
+    import evaluation
+    return evaluation.DigitsJudge(16, digits_cache)

@@ -35,15 +35,15 @@ def campaign(tmp_path_factory, root):
     """bash scripts/measure_gpu.sh PART OUT --quick for every part, as on the GPU, in its CPU
     form; two parts at a time, one thread each (their timings mean nothing on a CPU anyway)."""
     out = tmp_path_factory.mktemp('gpu-out')
-    lanes = [['gputests', 'autotune', 'graphs', 'small', 'step', 'knobs'],  # gputests: Inductor compiles our step
-             ['ladder', 'quality', 'profile', 'headline', 'loaders', 'sweep']]  # the longer lane (~2.5-5 minutes)
+    lanes = [['gputests', 'autotune', 'graphs', 'small', 'step', 'knobs', 'sweep'],  # about 2.5 minutes each
+             ['ladder', 'quality', 'profile', 'headline', 'loaders']]
     assert sorted(sum(lanes, [])) == sorted(PARTS)
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     processes = [subprocess.Popen(['bash', '-c', ' && '.join(f'bash scripts/measure_gpu.sh {part} {out} --quick'
                                                           for part in lane)],
                                   cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                  for lane in lanes]
-    outputs = [process.communicate(timeout=1500)[0] for process in processes]  # Inductor on a loaded CPU: minutes
+    outputs = [process.communicate(timeout=1500)[0] for process in processes]  # a loaded CPU: minutes
     for process, output in zip(processes, outputs):
         assert process.returncode == 0, output[-3000:]
     return out
@@ -366,7 +366,6 @@ def test_gputests_part_logs_a_training_run(campaign):
     rows = [json.loads(line) for line in (campaign / 'gputests-train-metrics.jsonl').read_text().splitlines()]
     trained = [r for r in rows[1:] if r['kind'] == 'train']
     assert rows[0]['config']['preset'] == 'tiny' and [r['step'] for r in trained] == [3, 6]
-    assert rows[0]['config']['compile']  # Inductor compiled train.py's step: the real compiler, on a CPU
     assert all(math.isfinite(r['loss']) for r in trained) and rows[-1]['kind'] == 'done'
     assert 'skipped' in (campaign / 'gputests.log').read_text()  # tests/test_gpu.py needs CUDA
 

@@ -272,11 +272,10 @@ def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(co
 
 
 
-def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, tmp_path_factory,
-                                                                                      digits_judge, capsys):
+def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, digits_cache, capsys):
     import json
     import guidance_sweep
-    cache = str(tmp_path_factory.getbasetemp().parent / 'digits-cache')  # digits_judge's: its classifier cached
+    cache = digits_cache  # the session's classifier, cached
     assert train.cli(digits_args(tmp_path, '--steps', '2', '--image-size', '16', '--data-dir', cache)) == 0
     out = tmp_path / 'out'
     sweep = ['--ckpt', str(tmp_path / 'run' / 'ckpt.pt'), '--num', '20', '--steps', '2', '--batch-size', '10',

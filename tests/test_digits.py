@@ -23,10 +23,10 @@ def judge(digits_judge):
 
 
 @pytest.fixture(scope='module')
-def digits_ckpt(tmp_path_factory):
+def digits_ckpt(tmp_path_factory, digits_cache):
     tmp = tmp_path_factory.mktemp('digits-run')
     assert train.cli(train_args(tmp, '--dataset', 'digits', '--steps', '4', '--sample-every', '0',
-                                '--data-dir', str(tmp / 'data'))) == 0
+                                '--data-dir', digits_cache)) == 0
     return str(tmp / 'run' / 'ckpt.pt')
 
 
@@ -87,31 +87,40 @@ def test_without_scikit_learn_one_line_says_how_to_install(monkeypatch):
 
 # ----------------------------------------------------------------------------- the score measures what it names
 
-def test_the_classifier_is_accurate_and_cached(tmp_path, monkeypatch):
-    classifier, accuracy = evaluation.digits_classifier(16, str(tmp_path))
+def cached_copy(judge, digits_cache, tmp_path):
+    """The session's cached classifier (trained once by the judge fixture), copied into tmp_path."""
+    import shutil
+    (name,) = [n for n in os.listdir(digits_cache) if n.startswith('digits_classifier_16_') and n.endswith('.pt')]
+    shutil.copy(os.path.join(digits_cache, name), tmp_path / name)
+    return tmp_path / name
+
+
+def test_the_classifier_is_accurate_and_read_from_its_cache(judge, digits_cache, tmp_path, monkeypatch):
+    classifier, accuracy = judge.classifier, judge.accuracy
     assert accuracy >= 0.97
     with torch.no_grad():
         images, labels = digits(True)
         assert (classifier(images).argmax(1) == labels).double().mean().item() == accuracy
-    cached = [name for name in os.listdir(tmp_path) if name.startswith('digits_classifier_16_')]
-    assert len(cached) == 1
+    cached_copy(judge, digits_cache, tmp_path)
     monkeypatch.setattr(evaluation, 'train_digits_classifier', lambda size: pytest.fail('retrained'))
-    again, _ = evaluation.digits_classifier(16, str(tmp_path))
+    again, again_accuracy = evaluation.digits_classifier(16, str(tmp_path))
+    assert again_accuracy == accuracy
     assert all(torch.equal(a, b) for a, b in zip(classifier.state_dict().values(), again.state_dict().values()))
 
 
-def test_a_non_finite_cached_classifier_is_retrained_and_dead_writers_cleaned(tmp_path):
-    classifier, accuracy = evaluation.digits_classifier(16, str(tmp_path))
-    (path,) = [tmp_path / n for n in os.listdir(tmp_path) if n.startswith('digits_classifier_16_')]
+def test_a_non_finite_cached_classifier_is_retrained_the_same_and_dead_writers_cleaned(judge, digits_cache, tmp_path):
+    path = cached_copy(judge, digits_cache, tmp_path)
     saved = torch.load(path, weights_only=True)
     saved['weights']['head.weight'][0, 0] = float('nan')
     torch.save(saved, path)
     dead = tmp_path / f'{path.name}.tmp-999999999'  # a writer killed mid-write (no such pid)
     dead.write_bytes(b'half')
     again, again_accuracy = evaluation.digits_classifier(16, str(tmp_path))
-    assert again_accuracy == accuracy and all(w.isfinite().all() for w in again.state_dict().values())
-    assert torch.load(path, weights_only=True)['weights']['head.weight'].isfinite().all()  # the cache rewritten
-    assert not dead.exists()
+    assert again_accuracy == judge.accuracy and not dead.exists()
+    rewritten = torch.load(path, weights_only=True)['weights']  # the cache rewritten
+    # Trained again from its seed: the same weights as the session's classifier, bit for bit.
+    assert all(torch.equal(a, b) for a, b in zip(judge.classifier.state_dict().values(), again.state_dict().values()))
+    assert all(torch.equal(rewritten[k], v) for k, v in judge.classifier.state_dict().items())
 
 
 # The published figures of the digits score (results/digits-score-16.md, the README): a change to the
@@ -203,8 +212,7 @@ def test_the_score_ignores_the_order_of_samples_and_is_reproducible(judge, tmp_p
     reordered = judge.score(judge.features(images[order]))
     for key in ('digits_fd', 'digits_kid', 'digits_kid_std', 'digits_confident', 'digits_class_entropy'):
         assert reordered[key] == pytest.approx(first[key], rel=1e-9, abs=1e-9), key
-    # A classifier trained again from its seed gives the same score.
-    assert evaluation.DigitsJudge(16, str(tmp_path)).score(features) == first
+    assert judge.score(features) == first  # and again: nothing drawn at random without its seed
 
 
 def test_kid_is_the_unbiased_mmd_with_the_cubic_kernel(judge):
@@ -222,8 +230,8 @@ def test_kid_is_the_unbiased_mmd_with_the_cubic_kernel(judge):
 
 # ----------------------------------------------------------------------------- the scripts on digits
 
-def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, tmp_path, capsys):
-    data_dir = str(tmp_path / 'data')
+def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, tmp_path, capsys, digits_cache):
+    data_dir = digits_cache
     common = ['--ckpt', digits_ckpt, '--num', '6', '--batch-size', '3', '--steps', '2', '--device', 'cpu']
     result = sample.main(sample.parse_config(common + ['--out', str(tmp_path / 'png'), '--fid', '--data-dir', data_dir],
                                              sample.SampleConfig))
@@ -258,10 +266,10 @@ def test_sample_py_states_what_the_heldout_split_holds_and_refuses_rgb_reference
     assert err.count('\n') == 0 and 'channel' in err and not os.path.exists(tmp_path / 'x')
 
 
-def test_eval_every_on_digits_logs_the_digits_score_never_as_fid(tmp_path):
+def test_eval_every_on_digits_logs_the_digits_score_never_as_fid(tmp_path, digits_cache):
     args = train_args(tmp_path, '--dataset', 'digits', '--steps', '6', '--sample-every', '0', '--eval-every', '24',
                       '--eval-samples', '8', '--eval-bpd-images', '500', '--eval-bpd-timesteps', '2',
-                      '--data-dir', str(tmp_path / 'data'))
+                      '--data-dir', digits_cache)
     assert train.cli(args) == 0
     rows = [json.loads(line) for line in open(tmp_path / 'run' / 'metrics.jsonl')]
     evals = [r for r in rows if r.get('kind') == 'eval']
@@ -296,11 +304,11 @@ def test_resume_of_an_rgb_run_as_digits_is_refused(tmp_path, capsys):
     assert err.count('\n') == 0 and ('in_channels' in err or '--dataset' in err), err
 
 
-def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path):
+def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path, digits_cache):
     import statistics
 
     import digits_score
-    data_dir = os.path.join(os.path.dirname(os.path.dirname(digits_ckpt)), 'data')
+    data_dir = digits_cache
     assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '2', '--data-dir', data_dir,
                               '--out-dir', str(tmp_path)]) == 0
     result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())

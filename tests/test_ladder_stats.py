@@ -103,3 +103,60 @@ def test_images_to_a_target_and_the_pooled_spread():
     # Pooled: variances weighted by degrees of freedom, (2 * 1 + 4 * 4) / 6 = 3.
     assert stats.pooled_sd([[1.0, 2.0, 3.0], [0.0, 4.0, 0.0, 4.0, 2.0]]) == pytest.approx(math.sqrt(3))
     assert stats.pooled_sd([[5.0]]) is None
+
+
+# ----------------------------------------------------------------------------- img/s interleaved (arm_speed.py)
+
+def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_path):
+    import json
+
+    import arm_speed
+    timed = []
+    monkeypatch.setattr(arm_speed, 'build', lambda arm, *args: (arm.name, None))
+    monkeypatch.setattr(arm_speed.data, 'load_dataset', lambda *args, **kwargs: None)
+
+    def fake_timed(run, batches, first, steps):  # each arm's own steady rate, the order recorded
+        if first >= 1:  # after the warm-up
+            timed.append(run)
+        return {'baseline': 100.0, 'width 8': 150.0, 'no attention': 120.0}[run] * (1 + 0.01 * len(timed))
+    monkeypatch.setattr(arm_speed, 'timed', fake_timed)
+    assert arm_speed.main(['--ladder', 'shape', '--arms', 'width 8,no attention', '--rounds', '3', '--steps', '2',
+                           '--warmup', '1', '--out-dir', str(tmp_path), '--stem', 's']) == 0
+    assert timed == ['baseline', 'width 8', 'no attention', 'width 8', 'no attention', 'baseline',
+                     'no attention', 'baseline', 'width 8']  # A B C, B C A, C A B
+    result = json.loads((tmp_path / 's.json').read_text())
+    base = [100 * (1 + 0.01 * k) for k in (1, 6, 8)]  # where the baseline fell in each round
+    wide = [150 * (1 + 0.01 * k) for k in (2, 4, 9)]
+    logs = [math.log(w / b) for w, b in zip(wide, base)]
+    half = 4.302652730 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975), 2 degrees of freedom
+    speed = result['arms']['width 8']['speed_vs_baseline']
+    assert result['arms']['baseline']['img_per_s'] == pytest.approx(base)
+    assert speed['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
+    assert speed['low'] == pytest.approx(math.exp(statistics.mean(logs) - half))
+    assert speed['high'] == pytest.approx(math.exp(statistics.mean(logs) + half))
+
+
+def test_arm_speed_turns_a_studys_images_into_minutes_seed_by_seed():
+    import arm_speed
+    study = {'targets': {'target': 10.0},
+             'runs': {'baseline': [dict(run(n), run={'seed': s}) for s, n in enumerate((100_000, 120_000, 90_000))],
+                      'width 8': [dict(run(n), run={'seed': s}) for s, n in enumerate((110_000, 150_000, 99_000))]}}
+    speed = {'ratio': 1.5, 'log_sd': 0.02, 'rounds': 8}
+    got = arm_speed.minutes(study, 'width 8', 300.0, 200.0, speed)
+    assert got['minutes'] == pytest.approx([110_000 / 300 / 60, 150_000 / 300 / 60, 99_000 / 300 / 60])
+    logs = [math.log(100 / 110), math.log(120 / 150), math.log(90 / 99)]  # images: baseline over the arm
+    assert got['images_ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
+    assert got['ratio'] == pytest.approx(math.exp(statistics.mean(logs)) * 1.5)
+    se = math.hypot(statistics.stdev(logs) / math.sqrt(3), 0.02 / math.sqrt(8))
+    assert math.log(got['high'] / got['ratio']) == pytest.approx(4.302652730 * se)  # t with min(3, 8) - 1 df
+
+
+def test_arm_speed_refuses_a_bad_study_and_an_unknown_arm_in_one_line(tmp_path, capsys):
+    import arm_speed
+    from helpers import refusal
+    (tmp_path / 'bad.json').write_text('{"runs": 1}')
+    code, err = refusal(capsys, arm_speed.main, ['--study', str(tmp_path / 'bad.json'), '--out-dir', str(tmp_path)])
+    assert code == 2 and 'not a time_to_quality.py report' in err
+    code, err = refusal(capsys, arm_speed.main, ['--arms', 'width 9', '--out-dir', str(tmp_path)])
+    assert code == 2 and "'width 9'" in err
+    assert list(tmp_path.iterdir()) == [tmp_path / 'bad.json']

@@ -31,8 +31,8 @@ def test_solver_accuracy_against_exact_answers(tmp_path):
     assert (tmp_path / 'acc.png').read_bytes()[:4] == b'\x89PNG' and '| Data |' in (tmp_path / 'acc.md').read_text()
 
 
-def test_the_digits_score_check_orders_its_sets(tmp_path):
-    assert digits_score.main(['--image-size', '8', '--data-dir', str(tmp_path), '--out-dir', str(tmp_path)]) == 0
+def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache):
+    assert digits_score.main(['--image-size', '8', '--data-dir', digits_cache, '--out-dir', str(tmp_path)]) == 0
     rows = {r['set']: r for r in json.loads((tmp_path / 'digits-score-8.json').read_text())['rows']}
     floor = rows['held-out digits (the floor)']['digits_fd']
     assert rows['uniform noise']['digits_fd'] > 20 * floor

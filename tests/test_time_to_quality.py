@@ -26,8 +26,16 @@ TINY = ['--images', '64', '--speed-images', '64', '--screen-images', '64', '--ea
         '--eval-samples', '8', '--sample-steps', '2', '--seeds', '2', '--lever-seeds', '2']
 
 
+CACHE = {}  # the digit classifier's cache, shared by every test (training it takes seconds)
+
+
+@pytest.fixture(autouse=True, scope='module')
+def shared_cache(digits_cache):
+    CACHE['data'] = digits_cache
+
+
 def ladder_args(tmp_path, *extra):
-    return [*TINY, '--runs-dir', str(tmp_path / 'runs'), '--data-dir', str(tmp_path / 'data'),
+    return [*TINY, '--runs-dir', str(tmp_path / 'runs'), '--data-dir', CACHE['data'],
             '--out-dir', str(tmp_path / 'out'), '--stem', 'ladder', *extra]
 
 
@@ -42,7 +50,7 @@ def baseline_part(tmp_path_factory):
 
 def copy_part(part, tmp_path):
     import shutil
-    for name in ('runs', 'out', 'data'):
+    for name in ('runs', 'out'):
         shutil.copytree(part / name, tmp_path / name)
     (tmp_path / 'runs' / 'lock').unlink(missing_ok=True)
 
@@ -351,8 +359,6 @@ def test_an_image_folder_without_images_is_refused_before_anything_is_made(tmp_p
 
 
 def test_a_part_that_cannot_start_is_refused_not_done(tmp_path, capsys, baseline_part):
-    import shutil
-    shutil.copytree(baseline_part / 'data', tmp_path / 'data')  # the classifier's cache: no runs
     code, err = refusal(capsys, ttq.main, ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'speed'))
     assert code == 2 and len(err.splitlines()) == 1 and "--train speed: cannot start before part 'baseline'" in err
     assert not (tmp_path / 'runs').exists() and not (tmp_path / 'out').exists()

@@ -22,6 +22,7 @@ import drawing
 import evaluation
 import files
 import train
+from model import AttnBlock, UNet, get_config
 
 
 def run(tmp_path, *extra):
@@ -432,6 +433,46 @@ def test_resume_from_another_architecture(tmp_path, capsys):
     with pytest.raises(cli.ConfigError, match='written by 1 ranks, this run has 2'):
         checkpoint.check_resumable(checkpoint.read_checkpoint(ckpt, 'x'), 'x', dataclasses.asdict(cfg),
                               train.model_config_of(cfg), world_size=2)
+
+
+def test_the_shape_flags_build_that_unet_and_a_resume_keeps_it(tmp_path, capsys):
+    shape = ['--base-channels', '8', '--channel-mults', '1,2', '--blocks-per-level', '2', '--attn-resolutions',
+             '16,8']
+    assert run(tmp_path, '--steps', '2', *shape) == 0
+    ckpt = torch.load(tmp_path / 'run' / 'ckpt.pt', weights_only=False)
+    expected = get_config('tiny', image_size=16, base_channels=8, channel_mults=(1, 2), blocks_per_level=2,
+                          attn_resolutions=(16, 8))
+    assert ckpt['model_config'] == dataclasses.asdict(expected)
+    model = UNet(expected)
+    model.load_state_dict(ckpt['model'])  # the weights are that network's, every tensor
+    attention = [m for m in model.modules() if isinstance(m, AttnBlock)]
+    assert len(attention) == 2 * 2 + 1 + 2 * 3  # at 16 and 8: 2 blocks down and 3 up per level; the middle's
+    # --resume alone replays the shape; another shape is another architecture.
+    path = str(tmp_path / 'run' / 'ckpt.pt')
+    assert run(tmp_path, '--steps', '3', '--resume', path) == 0
+    assert torch.load(path, weights_only=False)['model_config'] == dataclasses.asdict(expected)
+    capsys.readouterr()
+    assert run(tmp_path, '--steps', '4', '--resume', path, '--attn-resolutions', 'none') == 2
+    assert 'another architecture' in _stderr_line(capsys)
+    assert run(tmp_path / 'none', '--steps', '1', '--attn-resolutions', 'none') == 0  # no attention at all
+    none = UNet(get_config('tiny', image_size=16, attn_resolutions=()))
+    none.load_state_dict(torch.load(tmp_path / 'none' / 'run' / 'ckpt.pt', weights_only=False)['model'])
+    assert [m for m in none.modules() if isinstance(m, AttnBlock)] == [none.mid[1]]  # the middle block's alone
+
+
+@pytest.mark.parametrize('extra, expected', [
+    (['--channel-mults', '1,,2'], "--channel-mults '1,,2': give positive whole numbers"),
+    (['--channel-mults', '1,0'], "--channel-mults '1,0': give positive whole numbers"),
+    (['--attn-resolutions', 'x'], "--attn-resolutions 'x': give positive whole numbers"),
+    (['--attn-resolutions', '5'], "--attn-resolutions 5: this UNet's levels are at 16, 8, 4 pixels"),
+    (['--channel-mults', '1,2', '--attn-resolutions', '4'], "levels are at 16, 8 pixels"),
+    (['--base-channels', '12'], '12 channels are not divisible by norm_groups=8'),
+    (['--channel-mults', '1,2,2,2,2,2'], 'cannot be halved 5 times'),
+    (['--blocks-per-level', '0'], '--blocks-per-level must be at least 1')])
+def test_a_shape_the_unet_cannot_take_is_one_line_before_any_work(tmp_path, capsys, extra, expected):
+    assert run(tmp_path, '--steps', '1', *extra) == 2
+    assert expected in _stderr_line(capsys)
+    assert not (tmp_path / 'run' / 'ckpt.pt').exists()
 
 
 def test_real_cli_exit_code_and_stderr(tmp_path, root):
