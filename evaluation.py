@@ -12,6 +12,7 @@ guard, and the evaluation that train.py runs during training with its curves.
 """
 import contextlib
 import copy
+import hashlib
 import json
 import math
 import os
@@ -169,7 +170,6 @@ def digits_classifier(image_size: int, cache_dir: str) -> tuple:
     """The trained classifier and its held-out accuracy, from CACHE_DIR/digits_classifier_<size>_<key>.pt
     when there, else trained and cached; the key hashes what decides the weights (the version,
     the settings, the image size and the training images)."""
-    import hashlib
     images = data.load_digits_split(image_size, heldout=False)[0]
     key = hashlib.sha256(json.dumps([DIGITS_CLASSIFIER_VERSION, DIGITS_TRAINING, image_size]).encode()
                          + images.numpy().tobytes()).hexdigest()[:16]
@@ -202,6 +202,9 @@ def kernel_distance(features: np.ndarray, reference: np.ndarray, seed: int = 0) 
     return kid[KEY_METRIC_KID_MEAN], kid[KEY_METRIC_KID_STD]
 
 
+FLOORS = {}  # DigitsJudge's floor by image size and classifier weights: the same numbers every time
+
+
 class DigitsJudge:
     """The digits score of a set of 1-channel images: Frechet distance and KID between their
     classifier features and those of the training split, the share the classifier labels
@@ -215,7 +218,11 @@ class DigitsJudge:
         # The floor: real digits the classifier never saw (the 450 held-out ones) against the same statistics.
         heldout, self.heldout_labels = data.load_digits_split(image_size, heldout=True)
         self.heldout = self.features(heldout)
-        self.floor = self.score(self.heldout)
+        key = (image_size, hashlib.sha256(b''.join(w.numpy().tobytes() for w in self.classifier.state_dict().values()))
+               .hexdigest())
+        if key not in FLOORS:  # its KID over 450 digits costs a second or more: once per process and classifier
+            FLOORS[key] = self.score(self.heldout)
+        self.floor = dict(FLOORS[key])
 
     @torch.no_grad()
     def features(self, images: torch.Tensor) -> np.ndarray:
