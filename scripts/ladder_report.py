@@ -195,7 +195,8 @@ def report(result: dict, cfg):
     if result['unfinished']:
         body = f"**Unfinished**: the parts that have run so far ({result['unfinished']}).\n\n" + body
     if result['headline']:
-        body += '\n\n### Headline: minutes to the target (images where said), ratio [95% interval]\n\n' + '\n'.join(
+        what = 'minutes to the target' if cfg.ladder == 'speed' else 'minutes to the target (images where said)'
+        body += f'\n\n### Headline: {what}, ratio [95% interval]\n\n' + '\n'.join(
             f"- {label}" + (f": {ratio_text(value)}" if value is not None or 'no lever' not in label else '')
             for label, value in result['headline'].items())
     if len(result['machines']) > 1:

@@ -272,7 +272,8 @@ def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(co
 
 
 
-def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, digits_cache, capsys):
+def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, digits_cache, digits_judge,
+                                                                                      capsys):
     import json
     import guidance_sweep
     cache = digits_cache  # the session's classifier, cached

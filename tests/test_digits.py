@@ -25,8 +25,8 @@ def judge(digits_judge):
 @pytest.fixture(scope='module')
 def digits_ckpt(tmp_path_factory, digits_cache):
     tmp = tmp_path_factory.mktemp('digits-run')
-    assert train.cli(train_args(tmp, '--dataset', 'digits', '--steps', '4', '--sample-every', '0',
-                                '--data-dir', digits_cache)) == 0
+    assert train.cli(train_args(tmp, '--dataset', 'digits', '--image-size', '8', '--steps', '4', '--sample-every',
+                                '0', '--data-dir', digits_cache)) == 0  # 8x8: a quarter of 16x16's sampling
     return str(tmp / 'run' / 'ckpt.pt')
 
 
@@ -237,17 +237,17 @@ def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, 
                                              sample.SampleConfig))
     from PIL import Image
     with Image.open(tmp_path / 'png' / '000005.png') as image:
-        assert image.mode == 'L' and image.size == (16, 16)
+        assert image.mode == 'L' and image.size == (8, 8)
     score = result['digits']
     assert 'fid' not in result and score['digits_samples'] == 6 and score['floor']['digits_fd'] < 15
     assert 'digit classifier' in capsys.readouterr().out and 'accuracy' in score['digits_features']
     # The score of the files on disk, as any other tool would read them.
     images = torch.stack([torch.from_numpy(np.array(Image.open(tmp_path / 'png' / f'{i:06d}.png')))[None]
                           for i in range(6)])
-    judge = evaluation.DigitsJudge(16, data_dir)
+    judge = evaluation.DigitsJudge(8, data_dir)
     assert judge.score(judge.features(images))['digits_fd'] == score['digits_fd']
     assert sample.cli(common + ['--out', str(tmp_path / 'npz'), '--format', 'npz']) == 0
-    assert np.load(tmp_path / 'npz' / 'samples_6x16.npz')['arr_0'].shape == (6, 16, 16, 1)
+    assert np.load(tmp_path / 'npz' / 'samples_6x8.npz')['arr_0'].shape == (6, 8, 8, 1)
     # Inception statistics mean nothing to the digits score: refused, not ignored, before any sampling.
     capsys.readouterr()
     assert sample.cli(common + ['--out', str(tmp_path / 'stats'), '--fid', '--fid-stats', 'x.npz']) == 2
@@ -309,15 +309,15 @@ def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path, digits_cac
 
     import digits_score
     data_dir = digits_cache
-    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '2', '--data-dir', data_dir,
+    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '2', '--image-size', '8', '--data-dir', data_dir,
                               '--out-dir', str(tmp_path)]) == 0
-    result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())
+    result = json.loads((tmp_path / 'digits-score-8-resampled.json').read_text())
     scores = [r['digits_fd'] for r in result['rows']]
     assert [r['seed'] for r in result['rows']] == [0, 1] and len(set(scores)) == 2  # other noise, other score
     assert result['sd'] == pytest.approx(statistics.stdev(scores)) and all(r['digits_samples'] == 450
                                                                             for r in result['rows'])
     # Sampling seed 0 is the noise train.py's evaluation draws at batch 32: the same images, the same score.
-    judge = evaluation.DigitsJudge(16, data_dir)
+    judge = evaluation.DigitsJudge(8, data_dir)
     model, config, sched, prediction = sample.load_model(digits_ckpt, 'ema', torch.device('cpu'))
     from drawing import Sampling, draw
     images = torch.cat(list(draw(model, config, sched, Sampling(num=450, batch_size=32, sampler='dpm++', steps=20),
