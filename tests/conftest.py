@@ -6,7 +6,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-# pytest.ini runs two workers (pytest-xdist): a thread each on the 2-core reference machine.
+# pytest.ini runs two workers (pytest-xdist): a thread each on the 2-core reference machine, and one
+# for every process a test starts (train.py, a ladder, a benchmark part), or two workers' children
+# would run four threads on two cores.
+if os.environ.get('PYTEST_XDIST_WORKER'):
+    os.environ['OMP_NUM_THREADS'] = '1'
 torch.set_num_threads(1 if os.environ.get('PYTEST_XDIST_WORKER') else min(2, os.cpu_count() or 1))
 
 

@@ -14,7 +14,7 @@ import train
 
 # Every script's flags, frozen: a refactor that drops or renames one turns this red.
 FLAGS = {
-    'train': ['--preset', '--dataset', '--data-dir', '--image-size', '--shapes-count', '--batch-size', '--epochs',
+    'train': ['--preset', '--base-channels', '--channel-mults', '--blocks-per-level', '--attn-resolutions', '--dataset', '--data-dir', '--image-size', '--shapes-count', '--batch-size', '--epochs',
               '--steps', '--lr', '--warmup', '--grad-clip', '--ema-decay', '--dropout', '--schedule', '--prediction',
               '--loss-weight', '--snr-gamma', '--t-sampling', '--t-mean', '--t-scale', '--t-reweight',
               '--no-t-reweight', '--input-perturbation', '--lr-decay', '--adam-beta2', '--ema-length', '--class-cond',

@@ -30,7 +30,7 @@ CACHE = {}  # the digit classifier's cache, shared by every test (training it ta
 
 
 @pytest.fixture(autouse=True, scope='module')
-def shared_cache(digits_cache):
+def shared_cache(digits_cache, digits_judge):  # the judge: its classifier trained before any ladder starts
     CACHE['data'] = digits_cache
 
 
@@ -688,11 +688,11 @@ def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root, basel
 
 
 def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_path, root):
-    args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '3200', '--speed-images', '3200',
-                   '--screen-images', '3200', '--eval-every', '1600', '--easy-at', '1600', '--seeds', '2',
+    args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '1600', '--speed-images', '1600',
+                   '--screen-images', '1600', '--eval-every', '800', '--easy-at', '800', '--seeds', '2',
                    '--lever-seeds', '2')  # two seeds: the rerun's part stays short
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = tmp_path / 'runs' / 'baseline-3200-seed0' / 'metrics.jsonl'
+    metrics = tmp_path / 'runs' / 'baseline-1600-seed0' / 'metrics.jsonl'
     deadline = time.time() + 120
     while not (metrics.exists() and '"kind": "eval"' in metrics.read_text()) and time.time() < deadline:
         time.sleep(0.2)  # its first evaluation, half-way: the second half is training
@@ -701,11 +701,11 @@ def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_pa
     assert process.returncode == 0 and 'no report written' in out, err[-2000:]
     assert not (tmp_path / 'out' / 'ladder.json').exists()  # nothing built on a cut run
     assert not (tmp_path / 'out' / 'ladder-runs').exists()
-    assert not (tmp_path / 'runs' / 'baseline-3200-seed1').exists()  # the ladder did not go on
+    assert not (tmp_path / 'runs' / 'baseline-1600-seed1').exists()  # the ladder did not go on
     rerun = subprocess.run(args + ['--train', 'baseline'], capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    curve = json.loads((tmp_path / 'out' / 'ladder-runs' / 'baseline-3200-seed0.json').read_text())
-    assert [p['images'] for p in curve['curve']] == [1600, 3200]
+    curve = json.loads((tmp_path / 'out' / 'ladder-runs' / 'baseline-1600-seed0.json').read_text())
+    assert [p['images'] for p in curve['curve']] == [800, 1600]
 
 
 def children_of(pid: int) -> set:
@@ -727,11 +727,11 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason='reads children from /proc (Linux)')
 def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--workers', '2', '--train', 'baseline', '--images',
-                   '3200', '--speed-images', '3200', '--screen-images', '3200', '--eval-every', '1600',
-                   '--easy-at', '1600', '--seeds', '2', '--lever-seeds', '2')  # the two runs the workers hold
+                   '1600', '--speed-images', '1600', '--screen-images', '1600', '--eval-every', '800',
+                   '--easy-at', '800', '--seeds', '2', '--lever-seeds', '2')  # the two runs the workers hold
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    started = [tmp_path / 'runs' / f'baseline-3200-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
+    started = [tmp_path / 'runs' / f'baseline-1600-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
     deadline = time.time() + 180
     while not all(m.exists() and '"kind": "train"' in m.read_text() for m in started) and time.time() < deadline:
         time.sleep(0.2)
@@ -746,10 +746,10 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
     rerun = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     for seed in (0, 1):
-        rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-3200-seed{seed}' / 'metrics.jsonl').open()]
+        rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-1600-seed{seed}' / 'metrics.jsonl').open()]
         assert sum(r.get('kind') == 'done' for r in rows) == 1
-        curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-3200-seed{seed}.json').read_text())['curve']
-        assert [p['images'] for p in curve] == [1600, 3200]
+        curve = json.loads((tmp_path / 'out' / 'ladder-runs' / f'baseline-1600-seed{seed}.json').read_text())['curve']
+        assert [p['images'] for p in curve] == [800, 1600]
 
 
 def test_each_lever_changes_the_settings_it_names_and_no_other():
