@@ -8,6 +8,7 @@ study's images to the target over these img/s, seed by seed.
     python scripts/arm_speed.py --ladder shape --study results/cpu-digits-shape-study.json
     python scripts/arm_speed.py --ladder speed --arms '+ channels-last,+ fused Adam'
 """
+import json
 import math
 import os
 import statistics
@@ -16,7 +17,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
@@ -24,7 +24,7 @@ import data  # noqa: E402
 import time_to_quality as ttq  # noqa: E402
 import train  # noqa: E402
 from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
-from devices import device_name, pick_device  # noqa: E402
+from devices import device_name, pick_device, synchronize  # noqa: E402
 from files import check_creatable  # noqa: E402
 from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen  # noqa: E402
 from ladder_stats import images_to, interval, t_quantile  # noqa: E402
@@ -50,7 +50,7 @@ class ArmSpeedConfig:
 
 def arms_of(cfg: ArmSpeedConfig, ladder) -> list:
     if cfg.ladder in STUDIES:  # the baseline always: every ratio is to it
-        return [BASELINE_ARM] + [arm for arm in chosen(ladder, STUDIES[cfg.ladder]()[1:])]
+        return [BASELINE_ARM] + chosen(ladder, STUDIES[cfg.ladder]()[1:])
     levers = [lv for lv in ttq.speed_levers(pick_device(cfg.device), ladder) if lv.judged_by == 'speed']
     return [BASELINE_ARM] + [Arm(lv.name, lv.changes, BASELINE + lv.flags) for lv in levers]
 
@@ -64,12 +64,11 @@ def build(arm: Arm, ladder, device, dataset, folder: str):
 
 def timed(run, batches, first: int, steps: int) -> float:
     """img/s of `steps` training steps (the device synchronised before and after)."""
-    sync = torch.cuda.synchronize if run.device.type == 'cuda' else (lambda: None)
-    sync()
+    synchronize(run.device)
     start = time.perf_counter()
     for step in range(first, first + steps):
         train.train_step(run, next(batches), step)
-    sync()
+    synchronize(run.device)
     return steps * run.cfg.batch_size / (time.perf_counter() - start)
 
 
@@ -79,9 +78,9 @@ def measure(cfg: ArmSpeedConfig):
                               device=cfg.device, data_dir=cfg.data_dir)
     ttq.check_names(ladder)
     study = read_study(cfg.study) if cfg.study else None
-    stem = cfg.stem or f'{pick_device(cfg.device).type}-digits-{cfg.ladder}-speed'
-    check_creatable(os.path.join(cfg.out_dir, stem + '.json'), '--out-dir')
     device, arms = pick_device(cfg.device), arms_of(cfg, ladder)
+    stem = cfg.stem or f'{device.type}-digits-{cfg.ladder}-speed'
+    check_creatable(os.path.join(cfg.out_dir, stem + '.json'), '--out-dir')
     common = train.check_flags(ttq.base_flags(ladder))
     dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
     rates = {arm.name: [] for arm in arms}
@@ -142,7 +141,6 @@ def seeds_images(study: dict, name: str, target: float) -> dict:
 
 
 def read_study(path: str) -> dict:
-    import json
     try:
         with open(path) as f:
             study = json.load(f)
