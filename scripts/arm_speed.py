@@ -17,7 +17,6 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 import data  # noqa: E402
