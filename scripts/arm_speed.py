@@ -1,7 +1,10 @@
 """img/s of the time-to-quality ladder's arms, measured interleaved in one process: every arm is built as
 train.py builds its run, warmed up, then timed for --steps steps in turn, round after round, the order
 rotated each round (A B C, B C A, ...), so that every arm sees the same machine state; each arm's
-median img/s over the rounds and its ratio to the baseline in each round, with a 95% interval. With
+median img/s over the rounds and its ratio to the baseline in each round, with a 95% interval, judged
+by the ladder's keep rule (the rounds as its pairs: kept when the interval lies above 1 on 5 rounds or
+more); its warm-up's seconds (a compiled arm compiles there) and the images after which a faster arm
+has paid back the extra warm-up. With
 --study (a side-by-side ladder's JSON: --ladder shape), the minutes to its target follow as that
 study's images to the target over these img/s, seed by seed.
 
@@ -26,7 +29,7 @@ from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa:
 from devices import device_name, pick_device, synchronize  # noqa: E402
 from files import check_creatable  # noqa: E402
 from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen  # noqa: E402
-from ladder_stats import images_to, interval, t_quantile  # noqa: E402
+from ladder_stats import images_to, interval, keep_rule, t_quantile  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
 
@@ -39,6 +42,8 @@ class ArmSpeedConfig:
     steps: int = flag(30, 'training steps timed per arm per round', at_least=1)
     warmup: int = flag(10, 'untimed steps of each arm before the first round (a compiled arm compiles here)',
                        at_least=1)
+    cold_compile: bool = flag(True, "compile into an empty Inductor cache, as a first run on a machine does "
+                                    "(--no-cold-compile: the cache as found)")
     study: str = flag('', 'a side-by-side ladder\'s JSON (time_to_quality.py --ladder shape): minutes to its '
                           'target from its images and these img/s')
     device: str = flag('cpu', 'cpu, cuda or cuda:N')
@@ -82,12 +87,16 @@ def measure(cfg: ArmSpeedConfig):
     check_creatable(os.path.join(cfg.out_dir, stem + '.json'), '--out-dir')
     common = train.check_flags(ttq.base_flags(ladder))
     dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
-    rates = {arm.name: [] for arm in arms}
+    rates, warmup_s = {arm.name: [] for arm in arms}, {}
     with tempfile.TemporaryDirectory() as folder:  # no checkpoint is written: the runs are never saved
+        if cfg.cold_compile:
+            os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(folder, 'inductor')
         built = {arm.name: build(arm, ladder, device, dataset, folder) for arm in arms}
         for name, (run, batches) in built.items():
+            start = time.perf_counter()
             timed(run, batches, 0, cfg.warmup)
-            print(f'{name}: warmed up ({cfg.warmup} steps)')
+            warmup_s[name] = time.perf_counter() - start
+            print(f'{name}: warmed up ({cfg.warmup} steps, {warmup_s[name]:.1f} s)')
         for r in range(cfg.rounds):
             order = arms[r % len(arms):] + arms[:r % len(arms)]
             for arm in order:
@@ -95,27 +104,45 @@ def measure(cfg: ArmSpeedConfig):
                 rates[arm.name].append(timed(run, batches, cfg.warmup + r * cfg.steps, cfg.steps))
             print(f'round {r + 1} of {cfg.rounds}: ' + ', '.join(f'{a.name} {rates[a.name][-1]:,.0f}' for a in arms))
     result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': common.batch_size,
-              'arms': summarise(arms, rates, study)}
+              'arms': summarise(arms, rates, warmup_s, study)}
     report(result, cfg, stem)
 
 
-def summarise(arms: list, rates: dict, study: dict | None) -> dict:
+def summarise(arms: list, rates: dict, warmup_s: dict, study: dict | None) -> dict:
     """Per arm: its img/s per round, median and 95% interval; its ratio to the baseline round by round
-    (geometric mean, 95% t-interval of the log ratios); with a study, its minutes to the target seed by
+    (geometric mean, 95% t-interval of the log ratios) and the keep rule's decision on the log ratios
+    (ladder_stats.keep_rule, each round a pair); its warm-up seconds and, when it is faster and warms up
+    slower, the images it needs to pay that back (pays_back); with a study, its minutes to the target seed by
     seed (images / median img/s) and the baseline's minutes over its, with an interval that adds the
     variances of the log images ratio (over seeds) and of the log speed ratio (over rounds)."""
     base = rates['baseline']
     out = {}
     for arm in arms:
-        logs = interval([math.log(a / b) for a, b in zip(rates[arm.name], base)])
+        gains = [math.log(a / b) for a, b in zip(rates[arm.name], base)]
+        logs = interval(gains)
         speed = {'ratio': math.exp(logs['mean']), 'low': math.exp(logs['low']), 'high': math.exp(logs['high']),
                  'log_sd': logs['sd'], 'rounds': logs['n']}
-        out[arm.name] = {'flags': arm.flags, 'img_per_s': rates[arm.name],
-                         'median_img_per_s': statistics.median(rates[arm.name]), 'speed_vs_baseline': speed}
+        median = statistics.median(rates[arm.name])
+        out[arm.name] = {'flags': arm.flags, 'img_per_s': rates[arm.name], 'median_img_per_s': median,
+                         'speed_vs_baseline': speed, 'warmup_s': warmup_s[arm.name],
+                         'pays_back': pays_back(warmup_s[arm.name] - warmup_s['baseline'], median,
+                                                statistics.median(base))}
+        if arm.name != 'baseline':
+            out[arm.name]['decision'] = keep_rule(gains, True, screen=3, confirm=5)
         if study and arm.name in study['runs']:
             out[arm.name]['minutes'] = minutes(study, arm.name, out[arm.name]['median_img_per_s'],
                                                statistics.median(base), speed)
     return out
+
+
+def pays_back(extra_s: float, img_per_s: float, base_img_per_s: float):
+    """The images after which an arm that warms up extra_s seconds longer than the baseline but runs
+    faster has saved that time back: extra_s / (1 / base - 1 / arm); 0 when it warms up no slower,
+    None when it never does (it is no faster)."""
+    if extra_s <= 0:
+        return 0
+    saved_per_image = 1 / base_img_per_s - 1 / img_per_s
+    return extra_s / saved_per_image if saved_per_image > 0 else None
 
 
 def minutes(study: dict, name: str, img_per_s: float, base_img_per_s: float, speed: dict) -> dict:
@@ -153,17 +180,27 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
     rows = []
     for name, arm in result['arms'].items():
         s, m = arm['speed_vs_baseline'], arm.get('minutes') or {}
+        back = arm['pays_back']
         rows.append([name, f"{arm['median_img_per_s']:,.0f}", f"{min(arm['img_per_s']):,.0f}-{max(arm['img_per_s']):,.0f}",
                      f"{s['ratio']:.3f} [{s['low']:.3f}, {s['high']:.3f}]",
+                     arm['decision']['status'] if 'decision' in arm else '-', f"{arm['warmup_s']:.1f}",
+                     'never' if back is None else f'{back:,.0f}',
                      (f"{statistics.mean(m['minutes']):.2f}" + ('' if m['reached'] else ' (not reached)'))
                      if m.get('minutes') else '-',
                      f"{m['ratio']:.2f}x [{m['low']:.2f}, {m['high']:.2f}] (images {m['images_ratio']:.2f}x)"
                      if 'ratio' in m else '-'])
     body = markdown_table(['Arm', 'img/s (median of rounds)', 'range', 'speed / baseline [95%]',
+                           'keep rule (rounds as pairs)', 'warm-up s', 'pays its warm-up back after (images)',
                            'minutes to target (mean of seeds)', 'baseline minutes / arm\'s [95%]'], rows)
     notes = (f"\n\nEach arm built as train.py builds it (batch {result['batch']}), warmed up {cfg.warmup} steps, "
              f"then timed {cfg.steps} steps per round over {cfg.rounds} rounds, the arms in a rotated order each "
-             "round, all in one process: the machine's state is shared by every arm. Measured, not computed."
+             "round, all in one process: the machine's state is shared by every arm. Measured, not computed. "
+             "The keep rule is the ladder's, each round a pair (screen: the mean log ratio of the first 3 rounds "
+             "above 0; kept: its 95% t-interval above 0 on 5 rounds or more). Warm-up: the seconds of the "
+             f"{cfg.warmup} untimed steps (compiling included, into "
+             + ("an empty Inductor cache, as on a first run); an " if cfg.cold_compile else "Inductor's cache as found); an ")
+             + "arm that warms up longer than the baseline but runs faster has saved that time back after the "
+             "images given (extra seconds / (1 / baseline img/s - 1 / its img/s))."
              + (f" Minutes to the target: the study's images to it (each seed, {cfg.study}) over the median img/s "
                 "here; their ratio's interval adds the variances of the log images ratio over seeds and of the log "
                 "speed ratio over rounds." if cfg.study else ''))

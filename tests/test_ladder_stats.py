@@ -134,6 +134,21 @@ def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_pa
     assert speed['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
     assert speed['low'] == pytest.approx(math.exp(statistics.mean(logs) - half))
     assert speed['high'] == pytest.approx(math.exp(statistics.mean(logs) + half))
+    assert result['arms']['width 8']['decision']['status'] == 'pending'  # 3 rounds: the screen, not 5 pairs
+    assert set(result['arms']['baseline']) >= {'warmup_s', 'pays_back'} and 'decision' not in result['arms']['baseline']
+
+
+def test_arm_speed_keeps_a_faster_arm_on_five_rounds_and_counts_its_warm_up_back_by_hand():
+    import arm_speed
+    rates = {'baseline': [100.0, 90, 110, 95, 105], 'fast': [120.0, 100, 125, 110, 118],
+             'same': [101.0, 91, 109, 94, 104]}
+    arms = [arm_speed.Arm(name, '') for name in rates]
+    got = arm_speed.summarise(arms, rates, {'baseline': 1.0, 'fast': 61.0, 'same': 0.5}, None)
+    assert got['fast']['decision']['status'] == 'kept' and got['same']['decision']['status'] == 'not confirmed'
+    fast, base = statistics.median(rates['fast']), statistics.median(rates['baseline'])
+    assert got['fast']['pays_back'] == pytest.approx(60 / (1 / base - 1 / fast))  # 60 s more at 1/100 - 1/118 s/image
+    assert got['same']['pays_back'] == 0  # it warms up no slower
+    assert arm_speed.pays_back(5.0, 90.0, 100.0) is None  # slower: never
 
 
 def test_arm_speed_turns_a_studys_images_into_minutes_seed_by_seed():
