@@ -84,7 +84,7 @@ def measure(cfg: ArmSpeedConfig):
     study = read_study(cfg.study) if cfg.study else None
     device, arms = pick_device(cfg.device), arms_of(cfg, ladder)
     stem = cfg.stem or f'{device.type}-digits-{cfg.ladder}-speed'
-    check_creatable(os.path.join(cfg.out_dir, stem + '.json'), '--out-dir')
+    check_creatable(cfg.out_dir, '--out-dir')
     common = train.check_flags(ttq.base_flags(ladder))
     dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
     rates, warmup_s = {arm.name: [] for arm in arms}, {}

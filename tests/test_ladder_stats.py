@@ -120,6 +120,7 @@ def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_pa
             timed.append(run)
         return {'baseline': 100.0, 'width 8': 150.0, 'no attention': 120.0}[run] * (1 + 0.01 * len(timed))
     monkeypatch.setattr(arm_speed, 'timed', fake_timed)
+    (tmp_path / 's.json').write_text('an earlier report')  # a rerun replaces it
     assert arm_speed.main(['--ladder', 'shape', '--arms', 'width 8,no attention', '--rounds', '3', '--steps', '2',
                            '--warmup', '1', '--out-dir', str(tmp_path), '--stem', 's']) == 0
     assert timed == ['baseline', 'width 8', 'no attention', 'width 8', 'no attention', 'baseline',
