@@ -36,7 +36,8 @@ from reports import markdown_table, provenance, write_report  # noqa: E402
 @dataclass
 class ArmSpeedConfig:
     ladder: str = flag('shape', 'whose arms: shape or prediction (a study\'s arms) or speed (the ladder\'s levers '
-                                'judged on img/s, each alone on the baseline)', choices=('speed', *STUDIES))
+                                'judged on img/s, each alone on the baseline, and train.py\'s defaults)',
+                       choices=('speed', *STUDIES))
     arms: str = flag('', 'comma-separated arms besides the baseline (default: all of --ladder\'s)')
     rounds: int = flag(8, 'rounds: each times every arm once, in a rotated order', at_least=2)
     steps: int = flag(30, 'training steps timed per arm per round', at_least=1)
@@ -56,7 +57,8 @@ def arms_of(cfg: ArmSpeedConfig, ladder) -> list:
     if cfg.ladder in STUDIES:  # the baseline always: every ratio is to it
         return [BASELINE_ARM] + chosen(ladder, STUDIES[cfg.ladder]()[1:])
     levers = [lv for lv in ttq.speed_levers(pick_device(cfg.device), ladder) if lv.judged_by == 'speed']
-    return [BASELINE_ARM] + [Arm(lv.name, lv.changes, BASELINE + lv.flags) for lv in levers]
+    return [BASELINE_ARM] + [Arm(lv.name, lv.changes, BASELINE + lv.flags) for lv in levers] + [
+        Arm('defaults', "train.py's own defaults on this device (no speed flag given)", [])]
 
 
 def build(arm: Arm, ladder, device, dataset, folder: str):
