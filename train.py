@@ -119,8 +119,8 @@ class TrainConfig:
                             'native bf16, an AMD EPYC with AVX512-BF16; docs/training.md)',
                     choices=('auto', 'off', 'bf16', 'fp16'))
     channels_last: bool | None = flag(None, 'NHWC memory format (default: off on CUDA: slower than NCHW on an '
-                                            'H200 with the compiled bf16 step, results/h200-layout-check.md; on on a '
-                                            'CPU with native bf16, measured faster there)')
+                                            'H200 with the compiled bf16 step, results/h200-layout-check.md; off on a '
+                                            'CPU: with fused Adam no faster there)')
     fused_adam: bool | None = flag(None, 'fused Adam kernel (default: on for CUDA and on a CPU with native bf16, '
                                          'measured faster there)')
     fused_norm: bool = flag(False, 'GroupNorm with the add before it and the SiLU after it as one Triton kernel '
@@ -172,12 +172,13 @@ class TrainConfig:
 PAPER_TRAINING = {'lr': 2e-4, 'warmup': 5000, 'batch_size': 128}
 # What --amp/--compile/--channels-last/--fused-adam auto turn on on a CPU that computes bf16 natively
 # (cpu_has_native_bf16): the speed levers confirmed there by img/s interleaved with the baseline in one process
-# (scripts/arm_speed.py --ladder speed: tiny, digits 16x16, batch 32; results/cpu-digits-speed-levers.md):
-# channels-last 1.075x [1.024, 1.127], fused Adam 1.111x [1.070, 1.153]. Compile, 1.246x [1.165, 1.333] once
-# compiled, stays off: its first compile took 122 s, paid back only after 143,305 images (more than the demo
-# trains), and it needs a C++ compiler. bf16 autocast was left out by the ladder's screen. Plain fp32 eager on
-# every other CPU: nothing measured there. docs/training.md#the-cpus-fast-path
-CPU_FAST_PATH = {'amp': 'off', 'compile': False, 'channels_last': True, 'fused_adam': True}
+# (scripts/arm_speed.py --ladder speed: tiny, digits 16x16, batch 32). Fused Adam: 1.111x [1.070, 1.153]
+# (results/cpu-digits-speed-levers.md), kept in all three runs. Channels-last: kept in one run of three, and
+# with fused Adam 0.963x [0.912, 1.017] (results/cpu-digits-speed-defaults.md): off. Compile, 1.246x
+# [1.165, 1.333] once compiled, stays off: its first compile took 122 s, paid back only after 143,305 images
+# (more than the demo trains), and it needs a C++ compiler. bf16 autocast was left out by the ladder's screen.
+# Plain fp32 eager on every other CPU: nothing measured there. docs/training.md#the-cpus-fast-path
+CPU_FAST_PATH = {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': True}
 PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
 LABEL_DROP = 0.1  # --class-cond's p_uncond: Ho & Salimans (2022) found 0.1 and 0.2 best on ImageNet 64x64
 
