@@ -1,6 +1,7 @@
 """The scripts under scripts/, each run end to end in its quick form: the samplers' accuracy
 study and the digits score's checks (the time-to-quality ladder: test_time_to_quality.py)."""
 import json
+import os
 
 import digits_figure
 import digits_score
@@ -102,3 +103,53 @@ def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args
     assert code == 2 and expected in err and len(err.splitlines()) == 1, err
     assert [p.name for p in tmp_path.iterdir()] == ['a-file']
 
+
+
+# ----------------------------------------------------------------------------- the README's demo, timed whole
+
+def test_the_readme_runs_the_demo_command_that_time_demo_times():
+    import re
+    import shlex
+
+    import time_demo
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), 'README.md')).read()
+    command = re.search(r'python train\.py --dataset digits .*?(?<!\\)\n', readme, re.S).group(0)
+    words = shlex.split(command.split('#')[0].replace('\\\n', ' '))
+    assert words[:2] == ['python', 'train.py'] and words[2:] == time_demo.DEMO_FLAGS
+    train.check_flags(time_demo.DEMO_FLAGS)  # flags train.py takes
+
+
+def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(tmp_path, monkeypatch, capsys):
+    import types
+
+    import time_demo
+    launched = []
+
+    class FakeRun:  # what train.py leaves: its metrics.jsonl, stopped at the evaluation that reached 12.3
+        def __init__(self, command):
+            launched.append(command)
+            seed, out = int(command[command.index('--seed') + 1]), command[command.index('--out-dir') + 1]
+            os.makedirs(out)
+            rows = [{'kind': 'eval', 'images_seen': 12_500, 'train_hours': 0.01, 'digits_fd': 40.0},
+                    {'kind': 'eval', 'images_seen': 25_000 * (seed + 1), 'train_hours': 0.02 * (seed + 1),
+                     'digits_fd': 12.0 - seed}, {'kind': 'done', 'wall_s': 90.0 * (seed + 1)}]
+            with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+                f.writelines(json.dumps(r) + '\n' for r in rows)
+
+        def wait(self):
+            return 0
+    monkeypatch.setattr(time_demo, 'subprocess', types.SimpleNamespace(Popen=FakeRun))  # git's stays real
+    args = ['--seeds', '2', '--runs-dir', str(tmp_path / 'runs'), '--out-dir', str(tmp_path / 'out')]
+    assert time_demo.main(args) == 0
+    data_dirs = [c[c.index('--data-dir') + 1] for c in launched]
+    assert len(set(data_dirs)) == 2 and all(c[2:2 + len(time_demo.DEMO_FLAGS)] == time_demo.DEMO_FLAGS
+                                            for c in launched)
+    result = json.loads((tmp_path / 'out' / 'cpu-digits-demo.json').read_text())
+    assert [s['images'] for s in result['seeds']] == [25_000, 50_000]
+    assert [s['train_minutes'] for s in result['seeds']] == pytest.approx([1.2, 2.4])
+    assert [s['loop_minutes'] for s in result['seeds']] == pytest.approx([1.5, 3.0])
+    assert result['seeds'][0]['img_per_s'] == pytest.approx(25_000 / 72)
+    assert result['summary']['reached'] == 2 and result['summary']['within_goals'] == 1  # seed 1: 2.4 training min
+    assert result['summary']['images']['sd'] == pytest.approx(17_677.67, abs=0.01)
+    code, err = refusal(capsys, time_demo.main, args)  # the folders are there now: refused before any run
+    assert code == 2 and 'seed0 is there already' in err and len(launched) == 2

@@ -1,0 +1,147 @@
+"""The README's CPU demo timed whole: its command run once per seed, one run at a time, each from a fresh
+data folder as on a fresh clone (so the digit classifier the score needs is trained inside the timed
+command), the wall clock from the process's start to its exit; beside it what the run's own
+metrics.jsonl says (the training minutes and images at the evaluation that stopped it, its score,
+img/s). Written to OUT_DIR/STEM.{json,md} after every seed, so a stop keeps the seeds timed; the
+last checkpoint of each seed stays in RUNS_DIR/seed<k> (the README's picture is drawn from seed 0's).
+
+    python scripts/time_demo.py                  # five seeds, about half an hour on 2 cores
+    python scripts/time_demo.py --seeds 1 --warm-data   # one seed, the classifier's cache kept
+"""
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from devices import device_name  # noqa: E402
+from files import check_creatable  # noqa: E402
+from reports import markdown_table, provenance, write_report  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The README's demo command (tests/test_scripts.py checks that the README runs exactly these flags).
+DEMO_FLAGS = ['--dataset', 'digits', '--preset', 'tiny', '--image-size', '16', '--device', 'cpu', '--steps', '12500',
+              '--stop-at-score', '12.3', '--eval-every', '12500', '--eval-noise', 'fresh', '--eval-bpd-images', '50',
+              '--eval-bpd-timesteps', '4', '--sampler', 'dpm++', '--sample-steps', '20', '--sample-every', '0']
+GOALS = {'train_minutes': 2.0, 'whole_minutes': 3.0}  # SPEC: 12.3 within 2 minutes of training, 3 for the command
+
+
+@dataclass
+class DemoConfig:
+    seeds: int = flag(5, 'seeds 0 to N-1, one run each, one at a time', at_least=1, at_most=100)
+    warm_data: bool = flag(False, 'share one data folder between the seeds (the classifier trained by the first '
+                                  'run only; default: a fresh one per seed, as on a fresh clone)')
+    runs_dir: str = flag('runs/demo', 'where each seed\'s run goes (RUNS_DIR/seed<k>; refused if one is there)')
+    out_dir: str = flag('results', 'where the JSON and Markdown go')
+    stem: str = flag('cpu-digits-demo', 'the reports\' file name')
+
+
+def main(argv=None) -> int:
+    return run_main(time_demo, parse_config(argv, DemoConfig, __doc__))
+
+
+def time_demo(cfg: DemoConfig):
+    check_ranges(cfg)
+    folders = [os.path.join(cfg.runs_dir, f'seed{seed}') for seed in range(cfg.seeds)]
+    taken = [f for f in folders if os.path.exists(f)]
+    if taken:
+        raise ConfigError(f'--runs-dir {cfg.runs_dir}: {taken[0]} is there already (remove it, or pass another '
+                          '--runs-dir): each seed is timed from a fresh folder')
+    for folder, name in ((cfg.runs_dir, '--runs-dir'), (cfg.out_dir, '--out-dir')):
+        check_creatable(folder, name)
+    result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(cfg), 'flags': DEMO_FLAGS, 'goals': GOALS,
+              'seeds': []}
+    with tempfile.TemporaryDirectory() as scratch:
+        for seed, folder in enumerate(folders):
+            data_dir = os.path.join(scratch, 'data' if cfg.warm_data else f'data{seed}')
+            result['seeds'].append(time_one(seed, folder, data_dir))
+            result['summary'] = summarise(result['seeds'])
+            report(result, cfg)
+            if not cfg.warm_data:
+                shutil.rmtree(data_dir, ignore_errors=True)
+
+
+def time_one(seed: int, folder: str, data_dir: str) -> dict:
+    """One run of the demo command, timed from its start to its exit, and what its metrics.jsonl says."""
+    command = [sys.executable, os.path.join(ROOT, 'train.py'), *DEMO_FLAGS, '--seed', str(seed),
+               '--data-dir', data_dir, '--out-dir', folder]
+    print(f'seed {seed}: {" ".join(command[1:])}', flush=True)
+    start = time.perf_counter()
+    process = subprocess.Popen(command)
+    try:
+        code = process.wait()
+    except BaseException:  # a stop of this script stops the run too (it saves and exits)
+        process.send_signal(signal.SIGTERM)
+        process.wait()
+        raise
+    whole = time.perf_counter() - start
+    if code != 0:
+        raise ConfigError(f'seed {seed}: the demo command exited with {code} (its run: {folder})')
+    return {'seed': seed, 'whole_minutes': whole / 60, **stopping_row(os.path.join(folder, 'metrics.jsonl'))}
+
+
+def stopping_row(path: str) -> dict:
+    """The last evaluation of a run (the one that stopped it, or its last) and its training figures."""
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    evals = [r for r in rows if r.get('kind') == 'eval' and r.get('digits_fd') is not None]
+    done = [r for r in rows if r.get('kind') == 'done']
+    if not evals:
+        raise ConfigError(f'{path}: no evaluation with a digits score')
+    last = evals[-1]
+    return {'images': last['images_seen'], 'train_minutes': last['train_hours'] * 60, 'score': last['digits_fd'],
+            'reached': last['digits_fd'] <= float(DEMO_FLAGS[DEMO_FLAGS.index('--stop-at-score') + 1]),
+            'img_per_s': last['images_seen'] / (last['train_hours'] * 3600),
+            'loop_minutes': done[-1]['wall_s'] / 60 if done else None}
+
+
+def summarise(seeds: list) -> dict:
+    def mean_sd(key):
+        values = [s[key] for s in seeds]
+        return {'mean': statistics.mean(values), 'sd': statistics.stdev(values) if len(values) > 1 else None}
+    return {key: mean_sd(key) for key in ('whole_minutes', 'train_minutes', 'images', 'img_per_s', 'score')} | {
+        'reached': sum(s['reached'] for s in seeds), 'seeds': len(seeds),
+        'within_goals': sum(s['reached'] and s['train_minutes'] <= GOALS['train_minutes']
+                            and s['whole_minutes'] <= GOALS['whole_minutes'] for s in seeds)}
+
+
+def report(result: dict, cfg: DemoConfig):
+    rows = [[s['seed'], f"{s['whole_minutes']:.2f}", f"{s['train_minutes']:.2f}", f"{s['images']:,}",
+             f"{s['img_per_s']:,.0f}", f"{s['score']:.2f}" + ('' if s['reached'] else ' (not reached)')]
+            for s in result['seeds']]
+    summary = result['summary']
+
+    def shown(key, fmt):
+        m = summary[key]
+        return fmt.format(m['mean']) + ('' if m['sd'] is None else ' +- ' + fmt.format(m['sd']))
+    rows.append(['mean +- sd', shown('whole_minutes', '{:.2f}'), shown('train_minutes', '{:.2f}'),
+                 shown('images', '{:,.0f}'), shown('img_per_s', '{:,.0f}'), shown('score', '{:.2f}')])
+    body = markdown_table(['seed', 'whole command (minutes)', 'training minutes to the stop', 'images',
+                           'img/s', 'digits score at the stop'], rows)
+    body += (f"\n\nGoals: the score 12.3 within {GOALS['train_minutes']:g} minutes of training and "
+             f"{GOALS['whole_minutes']:g} for the whole command; {summary['within_goals']} of "
+             f"{summary['seeds']} seeds met both; {summary['reached']} reached 12.3.")
+    notes = ("\n\nThe README's demo command (`python train.py " + ' '.join(DEMO_FLAGS) + "`) with --seed k, one "
+             "run at a time, nothing else running. Whole command: the wall clock from the process's start to its "
+             "exit (Python and torch's import, the data, " + ('the digit classifier trained by the first seed '
+                                                              'only' if cfg.warm_data else
+                                                              'the digit classifier trained in a fresh data '
+                                                              'folder for every seed') +
+             ", every evaluation, the checkpoints). Training minutes, images and img/s: the run's own "
+             "metrics.jsonl at the evaluation that stopped it (training alone, the first step included). "
+             "Measured, not computed.")
+    write_report(cfg.out_dir, cfg.stem, result, 'The CPU demo, timed whole', body, notes=notes)
+    print(body, flush=True)
+
+
+if __name__ == '__main__':
+    sys.exit(main())
