@@ -2,8 +2,9 @@
 data folder as on a fresh clone (so the digit classifier the score needs is trained inside the timed
 command), the wall clock from the process's start to its exit; beside it what the run's own
 metrics.jsonl says (the training minutes and images at the evaluation that stopped it, its score,
-img/s). Written to OUT_DIR/STEM.{json,md} after every seed, so a stop keeps the seeds timed; the
-last checkpoint of each seed stays in RUNS_DIR/seed<k> (the README's picture is drawn from seed 0's).
+img/s). Written to OUT_DIR/STEM.{json,md} after every seed, so that a stop (SIGTERM or Ctrl-C: the
+run in progress saves and exits, and is not timed) keeps the seeds timed; the last checkpoint of each
+seed stays in RUNS_DIR/seed<k> (the README's picture is drawn from seed 0's).
 
     python scripts/time_demo.py                  # five seeds, about half an hour on 2 cores
     python scripts/time_demo.py --seeds 1 --warm-data   # one seed, the classifier's cache kept
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, StopFlag, StopRequested, check_ranges, flag, parse_config, run_main  # noqa: E402
 from devices import device_name  # noqa: E402
 from files import check_creatable  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
@@ -46,7 +47,12 @@ class DemoConfig:
 
 
 def main(argv=None) -> int:
-    return run_main(time_demo, parse_config(argv, DemoConfig, __doc__))
+    cfg = parse_config(argv, DemoConfig, __doc__)
+    try:
+        return run_main(time_demo, cfg)
+    except StopRequested as stopped:  # a stop, not an error: the report holds the seeds timed
+        print(stopped, file=sys.stderr)
+        return 0
 
 
 def time_demo(cfg: DemoConfig):
@@ -77,12 +83,18 @@ def time_one(seed: int, folder: str, data_dir: str) -> dict:
     print(f'seed {seed}: {" ".join(command[1:])}', flush=True)
     start = time.perf_counter()
     process = subprocess.Popen(command)
+    stop = StopFlag()
+    restore = stop.install()
     try:
+        stop.in_interruptible = 1  # a SIGTERM or Ctrl-C of this script raises here
         code = process.wait()
-    except BaseException:  # a stop of this script stops the run too (it saves and exits)
+    except (StopRequested, KeyboardInterrupt):  # the run is stopped too: it saves and exits; this seed is not timed
         process.send_signal(signal.SIGTERM)
         process.wait()
-        raise
+        raise StopRequested(f'stopped: seed {seed} not timed (its run, saved: {folder}); the seeds before it are '
+                            'in the report') from None
+    finally:
+        restore()
     whole = time.perf_counter() - start
     if code != 0:
         raise ConfigError(f'seed {seed}: the demo command exited with {code} (its run: {folder})')

@@ -153,3 +153,37 @@ def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(
     assert result['summary']['images']['sd'] == pytest.approx(17_677.67, abs=0.01)
     code, err = refusal(capsys, time_demo.main, args)  # the folders are there now: refused before any run
     assert code == 2 and 'seed0 is there already' in err and len(launched) == 2
+
+
+def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, monkeypatch, capsys):
+    import signal
+    import types
+
+    import time_demo
+    signals = []
+
+    class FakeRun:
+        def __init__(self, command):
+            self.seed, self.waits = int(command[command.index('--seed') + 1]), 0
+            out = command[command.index('--out-dir') + 1]
+            os.makedirs(out)
+            with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+                f.write(json.dumps({'kind': 'eval', 'images_seen': 100_000, 'train_hours': 0.05, 'digits_fd': 11.0})
+                        + '\n')
+
+        def wait(self):
+            self.waits += 1
+            if self.seed == 1 and self.waits == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # the script is stopped while seed 1 trains
+            return 0
+
+        def send_signal(self, signum):
+            signals.append((self.seed, signum))
+    monkeypatch.setattr(time_demo, 'subprocess', types.SimpleNamespace(Popen=FakeRun))
+    args = ['--seeds', '3', '--runs-dir', str(tmp_path / 'runs'), '--out-dir', str(tmp_path / 'out')]
+    assert time_demo.main(args) == 0
+    assert signals == [(1, signal.SIGTERM)] and 'seed 1 not timed' in capsys.readouterr().err
+    result = json.loads((tmp_path / 'out' / 'cpu-digits-demo.json').read_text())
+    assert [s['seed'] for s in result['seeds']] == [0] and not (tmp_path / 'runs' / 'seed2').exists()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not isinstance(signal.getsignal(signal.SIGTERM),
+                                                                                 time_demo.StopFlag)
