@@ -91,6 +91,7 @@ def measure(cfg: ArmSpeedConfig):
     dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
     rates, warmup_s = {arm.name: [] for arm in arms}, {}
     with tempfile.TemporaryDirectory() as folder:  # no checkpoint is written: the runs are never saved
+        cache = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
         if cfg.cold_compile:
             os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(folder, 'inductor')
         built = {arm.name: build(arm, ladder, device, dataset, folder) for arm in arms}
@@ -105,6 +106,9 @@ def measure(cfg: ArmSpeedConfig):
                 run, batches = built[arm.name]
                 rates[arm.name].append(timed(run, batches, cfg.warmup + r * cfg.steps, cfg.steps))
             print(f'round {r + 1} of {cfg.rounds}: ' + ', '.join(f'{a.name} {rates[a.name][-1]:,.0f}' for a in arms))
+        if cfg.cold_compile:  # the temporary cache goes with the folder: the environment as it was
+            os.environ.pop('TORCHINDUCTOR_CACHE_DIR') if cache is None else os.environ.update(
+                TORCHINDUCTOR_CACHE_DIR=cache)
     result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': common.batch_size,
               'arms': summarise(arms, rates, warmup_s, study)}
     report(result, cfg, stem)
@@ -125,10 +129,11 @@ def summarise(arms: list, rates: dict, warmup_s: dict, study: dict | None) -> di
         speed = {'ratio': math.exp(logs['mean']), 'low': math.exp(logs['low']), 'high': math.exp(logs['high']),
                  'log_sd': logs['sd'], 'rounds': logs['n']}
         median = statistics.median(rates[arm.name])
+        extra, base_median = warmup_s[arm.name] - warmup_s['baseline'], statistics.median(base)
         out[arm.name] = {'flags': arm.flags, 'img_per_s': rates[arm.name], 'median_img_per_s': median,
                          'speed_vs_baseline': speed, 'warmup_s': warmup_s[arm.name],
-                         'pays_back': pays_back(warmup_s[arm.name] - warmup_s['baseline'], median,
-                                                statistics.median(base))}
+                         'pays_back': pays_back(extra, speed['ratio'], base_median),
+                         'pays_back_interval': [pays_back(extra, speed[end], base_median) for end in ('high', 'low')]}
         if arm.name != 'baseline':
             out[arm.name]['decision'] = keep_rule(gains, True, screen=3, confirm=5)
         if study and arm.name in study['runs']:
@@ -137,14 +142,13 @@ def summarise(arms: list, rates: dict, warmup_s: dict, study: dict | None) -> di
     return out
 
 
-def pays_back(extra_s: float, img_per_s: float, base_img_per_s: float):
-    """The images after which an arm that warms up extra_s seconds longer than the baseline but runs
-    faster has saved that time back: extra_s / (1 / base - 1 / arm); 0 when it warms up no slower,
-    None when it never does (it is no faster)."""
-    if extra_s <= 0:
-        return 0
-    saved_per_image = 1 / base_img_per_s - 1 / img_per_s
-    return extra_s / saved_per_image if saved_per_image > 0 else None
+def pays_back(extra_s: float, ratio: float, base_img_per_s: float):
+    """The images after which an arm `ratio` times the baseline's speed (base_img_per_s, the baseline's
+    median) that warms up extra_s seconds longer has saved that time back: extra_s / ((1 - 1 / ratio) /
+    base_img_per_s); 0 when it warms up no slower, None when it never does (it is no faster)."""
+    if ratio <= 1:
+        return None
+    return max(extra_s, 0) / ((1 - 1 / ratio) / base_img_per_s)
 
 
 def minutes(study: dict, name: str, img_per_s: float, base_img_per_s: float, speed: dict) -> dict:
@@ -182,17 +186,18 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
     rows = []
     for name, arm in result['arms'].items():
         s, m = arm['speed_vs_baseline'], arm.get('minutes') or {}
-        back = arm['pays_back']
+        back, (soonest, latest) = arm['pays_back'], arm['pays_back_interval']
         rows.append([name, f"{arm['median_img_per_s']:,.0f}", f"{min(arm['img_per_s']):,.0f}-{max(arm['img_per_s']):,.0f}",
                      f"{s['ratio']:.3f} [{s['low']:.3f}, {s['high']:.3f}]",
                      arm['decision']['status'] if 'decision' in arm else '-', f"{arm['warmup_s']:.1f}",
-                     'never' if back is None else f'{back:,.0f}',
+                     'never' if back is None else f'{back:,.0f}' + ('' if not back else
+                                                                    f" [{soonest:,.0f}, {'never' if latest is None else f'{latest:,.0f}'}]"),
                      (f"{statistics.mean(m['minutes']):.2f}" + ('' if m['reached'] else ' (not reached)'))
                      if m.get('minutes') else '-',
                      f"{m['ratio']:.2f}x [{m['low']:.2f}, {m['high']:.2f}] (images {m['images_ratio']:.2f}x)"
                      if 'ratio' in m else '-'])
     body = markdown_table(['Arm', 'img/s (median of rounds)', 'range', 'speed / baseline [95%]',
-                           'keep rule (rounds as pairs)', 'warm-up s', 'pays its warm-up back after (images)',
+                           'keep rule (rounds as pairs)', 'warm-up s', 'pays its warm-up back after (images) [95%]',
                            'minutes to target (mean of seeds)', 'baseline minutes / arm\'s [95%]'], rows)
     notes = (f"\n\nEach arm built as train.py builds it (batch {result['batch']}), warmed up {cfg.warmup} steps, "
              f"then timed {cfg.steps} steps per round over {cfg.rounds} rounds, the arms in a rotated order each "
@@ -202,7 +207,9 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
              f"{cfg.warmup} untimed steps (compiling included, into "
              + ("an empty Inductor cache, as on a first run); an " if cfg.cold_compile else "Inductor's cache as found); an ")
              + "arm that warms up longer than the baseline but runs faster has saved that time back after the "
-             "images given (extra seconds / (1 / baseline img/s - 1 / its img/s))."
+             "images given (extra seconds / ((1 - 1 / its speed ratio) / the baseline's median img/s), the interval "
+             "from the ratio's). Rounds in one process are paired by the machine's state, not independent: the "
+             "rule's 2.5% false keeps hold for them only as far as the machine's drift within a round is small."
              + (f" Minutes to the target: the study's images to it (each seed, {cfg.study}) over the median img/s "
                 "here; their ratio's interval adds the variances of the log images ratio over seeds and of the log "
                 "speed ratio over rounds." if cfg.study else ''))

@@ -6,7 +6,7 @@ img/s). Written to OUT_DIR/STEM.{json,md} after every seed, so that a stop (SIGT
 run in progress saves and exits, and is not timed) keeps the seeds timed; the last checkpoint of each
 seed stays in RUNS_DIR/seed<k> (the README's picture is drawn from seed 0's).
 
-    python scripts/time_demo.py                  # five seeds, about half an hour on 2 cores
+    python scripts/time_demo.py                  # five seeds, 50 minutes on 2 cores
     python scripts/time_demo.py --seeds 1 --warm-data   # one seed, the classifier's cache kept
 """
 import json
@@ -66,39 +66,58 @@ def time_demo(cfg: DemoConfig):
         check_creatable(folder, name)
     result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(cfg), 'flags': DEMO_FLAGS, 'goals': GOALS,
               'seeds': []}
-    with tempfile.TemporaryDirectory() as scratch:
-        for seed, folder in enumerate(folders):
-            data_dir = os.path.join(scratch, 'data' if cfg.warm_data else f'data{seed}')
-            result['seeds'].append(time_one(seed, folder, data_dir))
-            result['summary'] = summarise(result['seeds'])
-            report(result, cfg)
-            if not cfg.warm_data:
-                shutil.rmtree(data_dir, ignore_errors=True)
+    stop = StopFlag()
+    restore = stop.install()  # a SIGTERM or Ctrl-C anywhere in the loop: the seeds timed stay in the report
+    try:
+        with tempfile.TemporaryDirectory() as scratch:
+            for seed, folder in enumerate(folders):
+                if stop.reason:
+                    raise StopRequested(f'stopped by {stop.reason} before seed {seed}; the seeds before it are '
+                                        'in the report')
+                data_dir = os.path.join(scratch, 'data' if cfg.warm_data else f'data{seed}')
+                result['seeds'].append(time_one(seed, folder, data_dir, stop))
+                result['summary'] = summarise(result['seeds'])
+                report(result, cfg)
+                if not cfg.warm_data:
+                    shutil.rmtree(data_dir, ignore_errors=True)
+    finally:
+        restore()
 
 
-def time_one(seed: int, folder: str, data_dir: str) -> dict:
-    """One run of the demo command, timed from its start to its exit, and what its metrics.jsonl says."""
+class RunFailed(Exception):
+    """The demo command failed (its own exit code, or 1): one line, that code."""
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def time_one(seed: int, folder: str, data_dir: str, stop: StopFlag) -> dict:
+    """One run of the demo command, timed from its start to its exit, and what its metrics.jsonl says.
+    A stop of this script stops the run too (it saves and exits); that seed is not timed."""
     command = [sys.executable, os.path.join(ROOT, 'train.py'), *DEMO_FLAGS, '--seed', str(seed),
                '--data-dir', data_dir, '--out-dir', folder]
     print(f'seed {seed}: {" ".join(command[1:])}', flush=True)
+    load = os.getloadavg()[0]  # what else the machine was doing as the run began (1-minute load average)
     start = time.perf_counter()
     process = subprocess.Popen(command)
-    stop = StopFlag()
-    restore = stop.install()
     try:
-        stop.in_interruptible = 1  # a SIGTERM or Ctrl-C of this script raises here
+        stop.in_interruptible += 1  # a signal from here raises StopRequested in the wait
+        if stop.reason:  # one that came between the install and here
+            raise StopRequested(stop.reason)
         code = process.wait()
-    except (StopRequested, KeyboardInterrupt):  # the run is stopped too: it saves and exits; this seed is not timed
+    except (StopRequested, KeyboardInterrupt):
+        stop.in_interruptible -= 1  # a second signal must not cut the run's own saving short
         process.send_signal(signal.SIGTERM)
         process.wait()
         raise StopRequested(f'stopped: seed {seed} not timed (its run, saved: {folder}); the seeds before it are '
                             'in the report') from None
-    finally:
-        restore()
+    stop.in_interruptible -= 1
     whole = time.perf_counter() - start
     if code != 0:
-        raise ConfigError(f'seed {seed}: the demo command exited with {code} (its run: {folder})')
-    return {'seed': seed, 'whole_minutes': whole / 60, **stopping_row(os.path.join(folder, 'metrics.jsonl'))}
+        raise RunFailed(f'seed {seed}: the demo command exited with {code} (its run: {folder}); the seeds before '
+                        'it are in the report', code if 0 < code < 126 else 1)
+    return {'seed': seed, 'whole_minutes': whole / 60, 'load_before': load,
+            **stopping_row(os.path.join(folder, 'metrics.jsonl'))}
 
 
 def stopping_row(path: str) -> dict:
@@ -107,13 +126,14 @@ def stopping_row(path: str) -> dict:
         rows = [json.loads(line) for line in f if line.strip()]
     evals = [r for r in rows if r.get('kind') == 'eval' and r.get('digits_fd') is not None]
     done = [r for r in rows if r.get('kind') == 'done']
-    if not evals:
-        raise ConfigError(f'{path}: no evaluation with a digits score')
+    if not evals or not done or evals[-1]['train_hours'] <= 0:  # a run stopped from outside ends without 'done'
+        raise RunFailed(f'{path}: the run did not finish with a scored evaluation (stopped from outside?): not '
+                        'timed')
     last = evals[-1]
     return {'images': last['images_seen'], 'train_minutes': last['train_hours'] * 60, 'score': last['digits_fd'],
             'reached': last['digits_fd'] <= float(DEMO_FLAGS[DEMO_FLAGS.index('--stop-at-score') + 1]),
             'img_per_s': last['images_seen'] / (last['train_hours'] * 3600),
-            'loop_minutes': done[-1]['wall_s'] / 60 if done else None}
+            'loop_minutes': done[-1]['wall_s'] / 60}
 
 
 def summarise(seeds: list) -> dict:
@@ -143,7 +163,7 @@ def report(result: dict, cfg: DemoConfig):
              f"{GOALS['whole_minutes']:g} for the whole command; {summary['within_goals']} of "
              f"{summary['seeds']} seeds met both; {summary['reached']} reached 12.3.")
     notes = ("\n\nThe README's demo command (`python train.py " + ' '.join(DEMO_FLAGS) + "`) with --seed k, one "
-             "run at a time, nothing else running. Whole command: the wall clock from the process's start to its "
+             "run at a time (each seed's 1-minute load average as it began is in the JSON). Whole command: the wall clock from the process's start to its "
              "exit (Python and torch's import, the data, " + ('the digit classifier trained by the first seed '
                                                               'only' if cfg.warm_data else
                                                               'the digit classifier trained in a fresh data '

@@ -146,10 +146,13 @@ def test_arm_speed_keeps_a_faster_arm_on_five_rounds_and_counts_its_warm_up_back
     arms = [arm_speed.Arm(name, '') for name in rates]
     got = arm_speed.summarise(arms, rates, {'baseline': 1.0, 'fast': 61.0, 'same': 0.5}, None)
     assert got['fast']['decision']['status'] == 'kept' and got['same']['decision']['status'] == 'not confirmed'
-    fast, base = statistics.median(rates['fast']), statistics.median(rates['baseline'])
-    assert got['fast']['pays_back'] == pytest.approx(60 / (1 / base - 1 / fast))  # 60 s more at 1/100 - 1/118 s/image
-    assert got['same']['pays_back'] == 0  # it warms up no slower
-    assert arm_speed.pays_back(5.0, 90.0, 100.0) is None  # slower: never
+    base, speed = statistics.median(rates['baseline']), got['fast']['speed_vs_baseline']
+    ratio = math.exp(statistics.mean([math.log(f / b) for f, b in zip(rates['fast'], rates['baseline'])]))
+    assert got['fast']['pays_back'] == pytest.approx(60 / (1 / base - 1 / (base * ratio)))  # 60 s more, by hand
+    assert got['fast']['pays_back_interval'] == pytest.approx([60 / (1 / base - 1 / (base * speed[end]))
+                                                                for end in ('high', 'low')])
+    assert got['same']['pays_back'] is None  # no faster (0.998x): never, however short its warm-up
+    assert arm_speed.pays_back(-1.0, 1.2, 100.0) == 0 and arm_speed.pays_back(5.0, 1.0, 100.0) is None
 
 
 def test_arm_speed_turns_a_studys_images_into_minutes_seed_by_seed():

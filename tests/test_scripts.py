@@ -169,7 +169,7 @@ def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, m
             os.makedirs(out)
             with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
                 f.write(json.dumps({'kind': 'eval', 'images_seen': 100_000, 'train_hours': 0.05, 'digits_fd': 11.0})
-                        + '\n')
+                        + '\n' + json.dumps({'kind': 'done', 'wall_s': 200.0}) + '\n')
 
         def wait(self):
             self.waits += 1
@@ -185,5 +185,30 @@ def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, m
     assert signals == [(1, signal.SIGTERM)] and 'seed 1 not timed' in capsys.readouterr().err
     result = json.loads((tmp_path / 'out' / 'cpu-digits-demo.json').read_text())
     assert [s['seed'] for s in result['seeds']] == [0] and not (tmp_path / 'runs' / 'seed2').exists()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not isinstance(signal.getsignal(signal.SIGTERM),
-                                                                                 time_demo.StopFlag)
+    assert not isinstance(signal.getsignal(signal.SIGTERM), time_demo.StopFlag)  # the handlers put back
+
+
+@pytest.mark.parametrize('exit_code, rows, code, message', [
+    (3, [], 3, 'exited with 3'),  # a NaN loss: train.py's own code, not a usage error's 2
+    (0, [{'kind': 'eval', 'images_seen': 12_500, 'train_hours': 0.01, 'digits_fd': 40.0}], 1, 'did not finish'),
+])  # the second: a run stopped from outside (exit 0, no 'done' row) is not timed as a finished seed
+def test_time_demo_does_not_time_a_failed_or_unfinished_run(exit_code, rows, code, message, tmp_path, monkeypatch,
+                                                             capsys):
+    import types
+
+    import time_demo
+
+    class FakeRun:
+        def __init__(self, command):
+            out = command[command.index('--out-dir') + 1]
+            os.makedirs(out)
+            with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
+                f.writelines(json.dumps(r) + '\n' for r in rows)
+
+        def wait(self):
+            return exit_code
+    monkeypatch.setattr(time_demo, 'subprocess', types.SimpleNamespace(Popen=FakeRun))
+    got, err = refusal(capsys, time_demo.main, ['--seeds', '2', '--runs-dir', str(tmp_path / 'runs'), '--out-dir',
+                                                str(tmp_path / 'out')])
+    assert got == code and message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / 'out').exists() and not (tmp_path / 'runs' / 'seed1').exists()  # stopped at seed 0
