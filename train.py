@@ -172,12 +172,13 @@ class TrainConfig:
 PAPER_TRAINING = {'lr': 2e-4, 'warmup': 5000, 'batch_size': 128}
 # What --amp/--compile/--channels-last/--fused-adam auto turn on on a CPU that computes bf16 natively
 # (cpu_has_native_bf16): the speed levers confirmed there by img/s interleaved with the baseline in one process
-# (scripts/arm_speed.py --ladder speed: tiny, digits 16x16, batch 32). Fused Adam: 1.111x [1.070, 1.153]
-# (results/cpu-digits-speed-levers.md), kept in all three runs. Channels-last: kept in one run of three, and
-# with fused Adam 0.963x [0.912, 1.017] (results/cpu-digits-speed-defaults.md): off. Compile, 1.246x
-# [1.165, 1.333] once compiled, stays off: its first compile took 122 s, paid back only after 143,305 images
-# (more than the demo trains), and it needs a C++ compiler. bf16 autocast was left out by the ladder's screen.
-# Plain fp32 eager on every other CPU: nothing measured there. docs/training.md#the-cpus-fast-path
+# (scripts/arm_speed.py --ladder speed: tiny, digits 16x16, batch 32). Fused Adam: kept in all four runs, 1.08x
+# to 1.11x (results/cpu-digits-speed-levers.md: 1.111x [1.070, 1.153]). Channels-last: kept in one run of three,
+# and with fused Adam 0.963x [0.912, 1.017] (results/cpu-digits-speed-defaults.md): off. Compile: 1.17x to 1.25x
+# once compiled (kept in two runs of three), stays off: its first compile took 116-122 s, paid back after about
+# 190,000 images (results/cpu-digits-speed-compile.md), more than the demo trains, and it needs a C++ compiler.
+# bf16 autocast was left out by the ladder's screen. Plain fp32 eager on every other CPU: nothing measured there.
+# docs/training.md#the-cpus-fast-path
 CPU_FAST_PATH = {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': True}
 PRESET_TRAINING = {'tiny': {'lr': 2e-3, 'warmup': 50, 'batch_size': 32}}
 LABEL_DROP = 0.1  # --class-cond's p_uncond: Ho & Salimans (2022) found 0.1 and 0.2 best on ImageNet 64x64

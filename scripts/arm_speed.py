@@ -190,7 +190,7 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
         rows.append([name, f"{arm['median_img_per_s']:,.0f}", f"{min(arm['img_per_s']):,.0f}-{max(arm['img_per_s']):,.0f}",
                      f"{s['ratio']:.3f} [{s['low']:.3f}, {s['high']:.3f}]",
                      arm['decision']['status'] if 'decision' in arm else '-', f"{arm['warmup_s']:.1f}",
-                     'never' if back is None else f'{back:,.0f}' + ('' if not back else
+                     '-' if name == 'baseline' else 'never' if back is None else f'{back:,.0f}' + ('' if not back else
                                                                     f" [{soonest:,.0f}, {'never' if latest is None else f'{latest:,.0f}'}]"),
                      (f"{statistics.mean(m['minutes']):.2f}" + ('' if m['reached'] else ' (not reached)'))
                      if m.get('minutes') else '-',
