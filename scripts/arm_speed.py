@@ -39,7 +39,8 @@ class ArmSpeedConfig:
                                 'judged on img/s, each alone on the baseline, and train.py\'s defaults)',
                        choices=('speed', *STUDIES))
     arms: str = flag('', 'comma-separated arms besides the baseline (default: all of --ladder\'s)')
-    rounds: int = flag(8, 'rounds: each times every arm once, in a rotated order', at_least=2)
+    rounds: int = flag(8, 'rounds: each times every arm once, in a rotated order (at least 3, the keep rule\'s '
+                          'screen; it keeps on 5 or more)', at_least=3)
     steps: int = flag(30, 'training steps timed per arm per round', at_least=1)
     warmup: int = flag(10, 'untimed steps of each arm before the first round (a compiled arm compiles here)',
                        at_least=1)
@@ -176,8 +177,11 @@ def read_study(path: str) -> dict:
     try:
         with open(path) as f:
             study = json.load(f)
-        study['runs'], study['targets']['target']
-    except (OSError, ValueError, KeyError, TypeError) as error:
+        target = study['targets']['target']
+        for runs in study['runs'].values():  # every run readable now, not after the measurement
+            for run in runs:
+                run['run']['seed'], images_to(run, target)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
         raise ConfigError(f'--study {path}: not a time_to_quality.py report ({error})') from None
     return study
 

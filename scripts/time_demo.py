@@ -23,9 +23,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import ConfigError, StopFlag, StopRequested, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import (ConfigError, StopFlag, StopRequested, check_plain_name, check_ranges, flag, parse_config,  # noqa: E402
+                 run_main)
 from devices import device_name  # noqa: E402
-from files import check_creatable  # noqa: E402
+from files import check_creatable, check_writable  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -62,8 +63,9 @@ def time_demo(cfg: DemoConfig):
     if taken:
         raise ConfigError(f'--runs-dir {cfg.runs_dir}: {taken[0]} is there already (remove it, or pass another '
                           '--runs-dir): each seed is timed from a fresh folder')
-    for folder, name in ((cfg.runs_dir, '--runs-dir'), (cfg.out_dir, '--out-dir')):
-        check_creatable(folder, name)
+    check_plain_name(cfg.stem, '--stem')
+    check_creatable(cfg.runs_dir, '--runs-dir')  # train.py makes each seed's folder
+    check_writable(cfg.out_dir, '--out-dir')  # the report is written after the first seed: proven writable now
     result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(cfg), 'flags': DEMO_FLAGS, 'goals': GOALS,
               'seeds': []}
     stop = StopFlag()
@@ -72,8 +74,7 @@ def time_demo(cfg: DemoConfig):
         with tempfile.TemporaryDirectory() as scratch:
             for seed, folder in enumerate(folders):
                 if stop.reason:
-                    raise StopRequested(f'stopped by {stop.reason} before seed {seed}; the seeds before it are '
-                                        'in the report')
+                    raise StopRequested(f'stopped by {stop.reason} before seed {seed}' + done_before(seed))
                 data_dir = os.path.join(scratch, 'data' if cfg.warm_data else f'data{seed}')
                 result['seeds'].append(time_one(seed, folder, data_dir, stop))
                 result['summary'] = summarise(result['seeds'])
@@ -108,16 +109,26 @@ def time_one(seed: int, folder: str, data_dir: str, stop: StopFlag) -> dict:
     except (StopRequested, KeyboardInterrupt):
         stop.in_interruptible -= 1  # a second signal must not cut the run's own saving short
         process.send_signal(signal.SIGTERM)
-        process.wait()
-        raise StopRequested(f'stopped: seed {seed} not timed (its run, saved: {folder}); the seeds before it are '
-                            'in the report') from None
+        while True:
+            try:
+                process.wait()
+                break
+            except KeyboardInterrupt:  # a second Ctrl-C: the run aborts at once too, and is waited for
+                process.send_signal(signal.SIGINT)
+        saved = (f'its checkpoint: {folder}/ckpt.pt' if os.path.isfile(os.path.join(folder, 'ckpt.pt')) else
+                 f'it had nothing to save yet; remove {folder} to time it again')
+        raise StopRequested(f'stopped: seed {seed} not timed ({saved})' + done_before(seed)) from None
     stop.in_interruptible -= 1
     whole = time.perf_counter() - start
     if code != 0:
-        raise RunFailed(f'seed {seed}: the demo command exited with {code} (its run: {folder}); the seeds before '
-                        'it are in the report', code if 0 < code < 126 else 1)
+        raise RunFailed(f'seed {seed}: the demo command exited with {code} (its run: {folder})' + done_before(seed),
+                        code if 0 < code < 126 else 1)
     return {'seed': seed, 'whole_minutes': whole / 60, 'load_before': load,
             **stopping_row(os.path.join(folder, 'metrics.jsonl'))}
+
+
+def done_before(seed: int) -> str:
+    return f'; seeds 0 to {seed - 1} are in the report' if seed else ''
 
 
 def stopping_row(path: str) -> dict:

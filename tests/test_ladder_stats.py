@@ -176,6 +176,9 @@ def test_arm_speed_refuses_a_bad_study_and_an_unknown_arm_in_one_line(tmp_path, 
     (tmp_path / 'bad.json').write_text('{"runs": 1}')
     code, err = refusal(capsys, arm_speed.main, ['--study', str(tmp_path / 'bad.json'), '--out-dir', str(tmp_path)])
     assert code == 2 and 'not a time_to_quality.py report' in err
+    (tmp_path / 'runs.json').write_text('{"runs": {"baseline": [{"x": 1}]}, "targets": {"target": 12}}')
+    code, err = refusal(capsys, arm_speed.main, ['--study', str(tmp_path / 'runs.json'), '--out-dir', str(tmp_path)])
+    assert code == 2 and 'not a time_to_quality.py report' in err  # before any measuring, not after
     code, err = refusal(capsys, arm_speed.main, ['--arms', 'width 9', '--out-dir', str(tmp_path)])
     assert code == 2 and "'width 9'" in err
-    assert list(tmp_path.iterdir()) == [tmp_path / 'bad.json']
+    assert sorted(tmp_path.iterdir()) == [tmp_path / 'bad.json', tmp_path / 'runs.json']

@@ -155,6 +155,11 @@ def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(
     assert result['summary']['images']['sd'] == pytest.approx(17_677.67, abs=0.01)
     code, err = refusal(capsys, time_demo.main, args)  # the folders are there now: refused before any run
     assert code == 2 and 'seed0 is there already' in err and len(launched) == 2
+    (tmp_path / 'a-file').write_text('not a folder')
+    for bad, message in ((['--stem', ''], 'a plain file name'), (['--out-dir', str(tmp_path / 'a-file' / 'out')],
+                                                                   'cannot write there')):
+        code, err = refusal(capsys, time_demo.main, ['--runs-dir', str(tmp_path / 'runs2'), *bad])
+        assert code == 2 and message in err and len(launched) == 2  # before the first seed's ten minutes
 
 
 def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, monkeypatch, capsys):
@@ -213,4 +218,4 @@ def test_time_demo_does_not_time_a_failed_or_unfinished_run(exit_code, rows, cod
     got, err = refusal(capsys, time_demo.main, ['--seeds', '2', '--runs-dir', str(tmp_path / 'runs'), '--out-dir',
                                                 str(tmp_path / 'out')])
     assert got == code and message in err and len(err.splitlines()) == 1
-    assert not (tmp_path / 'out').exists() and not (tmp_path / 'runs' / 'seed1').exists()  # stopped at seed 0
+    assert not list((tmp_path / 'out').iterdir()) and not (tmp_path / 'runs' / 'seed1').exists()  # ended at seed 0
