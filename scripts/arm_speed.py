@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
@@ -92,24 +93,22 @@ def measure(cfg: ArmSpeedConfig):
     dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
     rates, warmup_s = {arm.name: [] for arm in arms}, {}
     with tempfile.TemporaryDirectory() as folder:  # no checkpoint is written: the runs are never saved
-        cache = os.environ.get('TORCHINDUCTOR_CACHE_DIR')
-        if cfg.cold_compile:
-            os.environ['TORCHINDUCTOR_CACHE_DIR'] = os.path.join(folder, 'inductor')
-        built = {arm.name: build(arm, ladder, device, dataset, folder) for arm in arms}
-        for name, (run, batches) in built.items():
-            start = time.perf_counter()
-            timed(run, batches, 0, cfg.warmup)
-            warmup_s[name] = time.perf_counter() - start
-            print(f'{name}: warmed up ({cfg.warmup} steps, {warmup_s[name]:.1f} s)')
-        for r in range(cfg.rounds):
-            order = arms[r % len(arms):] + arms[:r % len(arms)]
-            for arm in order:
-                run, batches = built[arm.name]
-                rates[arm.name].append(timed(run, batches, cfg.warmup + r * cfg.steps, cfg.steps))
-            print(f'round {r + 1} of {cfg.rounds}: ' + ', '.join(f'{a.name} {rates[a.name][-1]:,.0f}' for a in arms))
-        if cfg.cold_compile:  # the temporary cache goes with the folder: the environment as it was
-            os.environ.pop('TORCHINDUCTOR_CACHE_DIR') if cache is None else os.environ.update(
-                TORCHINDUCTOR_CACHE_DIR=cache)
+        # --cold-compile: an empty Inductor cache that goes with the folder; the environment put back after
+        cold = {'TORCHINDUCTOR_CACHE_DIR': os.path.join(folder, 'inductor')} if cfg.cold_compile else {}
+        with mock.patch.dict(os.environ, cold):
+            built = {arm.name: build(arm, ladder, device, dataset, folder) for arm in arms}
+            for name, (run, batches) in built.items():
+                start = time.perf_counter()
+                timed(run, batches, 0, cfg.warmup)
+                warmup_s[name] = time.perf_counter() - start
+                print(f'{name}: warmed up ({cfg.warmup} steps, {warmup_s[name]:.1f} s)')
+            for r in range(cfg.rounds):
+                order = arms[r % len(arms):] + arms[:r % len(arms)]
+                for arm in order:
+                    run, batches = built[arm.name]
+                    rates[arm.name].append(timed(run, batches, cfg.warmup + r * cfg.steps, cfg.steps))
+                print(f'round {r + 1} of {cfg.rounds}: ' + ', '.join(f'{a.name} {rates[a.name][-1]:,.0f}'
+                                                                   for a in arms))
     result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': common.batch_size,
               'arms': summarise(arms, rates, warmup_s, study)}
     report(result, cfg, stem)
@@ -138,8 +137,7 @@ def summarise(arms: list, rates: dict, warmup_s: dict, study: dict | None) -> di
         if arm.name != 'baseline':
             out[arm.name]['decision'] = keep_rule(gains, True, screen=3, confirm=5)
         if study and arm.name in study['runs']:
-            out[arm.name]['minutes'] = minutes(study, arm.name, out[arm.name]['median_img_per_s'],
-                                               statistics.median(base), speed)
+            out[arm.name]['minutes'] = minutes(study, arm.name, median, base_median, speed)
     return out
 
 

@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from cli import (ConfigError, StopFlag, StopRequested, check_plain_name, check_r
                  run_main)
 from devices import device_name  # noqa: E402
 from files import check_creatable, check_writable  # noqa: E402
+from ladder_stats import mean_sd  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -148,10 +148,7 @@ def stopping_row(path: str) -> dict:
 
 
 def summarise(seeds: list) -> dict:
-    def mean_sd(key):
-        values = [s[key] for s in seeds]
-        return {'mean': statistics.mean(values), 'sd': statistics.stdev(values) if len(values) > 1 else None}
-    return {key: mean_sd(key) for key in ('whole_minutes', 'train_minutes', 'images', 'img_per_s', 'score')} | {
+    return {key: dict(zip(('mean', 'sd'), mean_sd([s[key] for s in seeds]))) for key in ('whole_minutes', 'train_minutes', 'images', 'img_per_s', 'score')} | {
         'reached': sum(s['reached'] for s in seeds), 'seeds': len(seeds),
         'within_goals': sum(s['reached'] and s['train_minutes'] <= GOALS['train_minutes']
                             and s['whole_minutes'] <= GOALS['whole_minutes'] for s in seeds)}
