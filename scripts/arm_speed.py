@@ -16,20 +16,17 @@ import math
 import os
 import statistics
 import sys
-import tempfile
-import time
 from dataclasses import asdict, dataclass
-from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
-import data  # noqa: E402
 import time_to_quality as ttq  # noqa: E402
 import train  # noqa: E402
 from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
-from devices import device_name, pick_device, synchronize  # noqa: E402
+from devices import device_name, pick_device  # noqa: E402
 from files import check_creatable  # noqa: E402
 from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen  # noqa: E402
+from ladder_speed import interleave  # noqa: E402
 from ladder_stats import images_to, interval, keep_rule, t_quantile  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
@@ -63,23 +60,6 @@ def arms_of(cfg: ArmSpeedConfig, ladder) -> list:
         Arm('defaults', "train.py's own defaults on this device (no speed flag given)", [])]
 
 
-def build(arm: Arm, ladder, device, dataset, folder: str):
-    """The arm's run as train.py builds it, and an endless iterator of its batches."""
-    flags = ttq.base_flags(ladder) + ['--steps', '1000000', '--out-dir', folder, *arm.flags]
-    run = train.build_run(train.check_flags(flags), device, dataset=dataset, progress=False)
-    return run, train.batches(run, 0)
-
-
-def timed(run, batches, first: int, steps: int) -> float:
-    """img/s of `steps` training steps (the device synchronised before and after)."""
-    synchronize(run.device)
-    start = time.perf_counter()
-    for step in range(first, first + steps):
-        train.train_step(run, next(batches), step)
-    synchronize(run.device)
-    return steps * run.cfg.batch_size / (time.perf_counter() - start)
-
-
 def measure(cfg: ArmSpeedConfig):
     check_ranges(cfg)
     ladder = ttq.LadderConfig(ladder=cfg.ladder if cfg.ladder in STUDIES else 'speed', arms=cfg.arms,
@@ -89,28 +69,11 @@ def measure(cfg: ArmSpeedConfig):
     device, arms = pick_device(cfg.device), arms_of(cfg, ladder)
     stem = cfg.stem or f'{device.type}-digits-{cfg.ladder}-speed'
     check_creatable(cfg.out_dir, '--out-dir')
-    common = train.check_flags(ttq.base_flags(ladder))
-    dataset = data.load_dataset(common.dataset, common.data_dir, common.image_size)
-    rates, warmup_s = {arm.name: [] for arm in arms}, {}
-    with tempfile.TemporaryDirectory() as folder:  # no checkpoint is written: the runs are never saved
-        # --cold-compile: an empty Inductor cache that goes with the folder; the environment put back after
-        cold = {'TORCHINDUCTOR_CACHE_DIR': os.path.join(folder, 'inductor')} if cfg.cold_compile else {}
-        with mock.patch.dict(os.environ, cold):
-            built = {arm.name: build(arm, ladder, device, dataset, folder) for arm in arms}
-            for name, (run, batches) in built.items():
-                start = time.perf_counter()
-                timed(run, batches, 0, cfg.warmup)
-                warmup_s[name] = time.perf_counter() - start
-                print(f'{name}: warmed up ({cfg.warmup} steps, {warmup_s[name]:.1f} s)')
-            for r in range(cfg.rounds):
-                order = arms[r % len(arms):] + arms[:r % len(arms)]
-                for arm in order:
-                    run, batches = built[arm.name]
-                    rates[arm.name].append(timed(run, batches, cfg.warmup + r * cfg.steps, cfg.steps))
-                print(f'round {r + 1} of {cfg.rounds}: ' + ', '.join(f'{a.name} {rates[a.name][-1]:,.0f}'
-                                                                   for a in arms))
-    result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': common.batch_size,
-              'arms': summarise(arms, rates, warmup_s, study)}
+    common = ttq.base_flags(ladder)
+    got = interleave({arm.name: arm.flags for arm in arms}, common, device, cfg.rounds, cfg.steps, cfg.warmup,
+                     cold=cfg.cold_compile)
+    result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': train.check_flags(common).batch_size,
+              'arms': summarise(arms, got['img_per_s'], got['warmup_s'], study)}
     report(result, cfg, stem)
 
 

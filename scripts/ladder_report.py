@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cli import ConfigError, StopFlag, check_ranges, parse_config, run_main  # noqa: E402
 from devices import device_name, device_slug, pick_device  # noqa: E402
 from ladder_arms import decay_plan, slug  # noqa: E402
+from ladder_speed import WARMUP_STEPS  # noqa: E402
 from ladder_stats import (images_to, keep_rate, mean_sd, paired_ratio, pooled_sd, score_at, summarise,  # noqa: E402
                           unpaired_ratio)
 from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
@@ -140,6 +141,7 @@ DECISIONS = {'kept': 'kept', 'screen failed': 'left out at the screen', 'not con
 
 def report(result: dict, cfg):
     targets, arms, rule, grid = result['targets'], result['arms'], result['rule'], result['resolution']
+    levers = result['levers']
 
     def ms(pair, spec):
         return '-' if pair is None or pair[0] is None else format(pair[0], spec) + (
@@ -181,7 +183,9 @@ def report(result: dict, cfg):
              to(arm, 'easy_target', 'minutes', '.2f'), ms(arm.get('last'), '.2f'), ms(arm.get('eval_minutes'), '.2f'),
              screen(arm)] for name, arm in arms.items()]
     lever_rows = [[name, d['builds_on'] + (' (left out since; not run on the arms kept)' if d['elsewhere'] else ''),
-                   d['judged_by'], d['n'], f"{'>= ' if d['lower_bound'] else ''}{ci(d, ',.3g')} {d['unit']}",
+                   d['judged_by'] + (' (interleaved)' if 'timed' in d else ''),
+                   f"{d['n']} rounds" if 'timed' in d else d['n'],
+                   f"{'>= ' if d['lower_bound'] else ''}{ci(d, ',.3g')} {d['unit']}",
                    ci(d['sides'].get('images'), ',.0f'), ci(d['sides'].get('img/s'), ',.0f'),
                    ci(d['sides'].get('minutes'), '.2f'), decision(d)] for name, d in result['levers'].items()]
     body = markdown_table(headers, rows, left=2)  # a short (speed) run's targets are out of its reach by design
@@ -209,13 +213,24 @@ def report(result: dict, cfg):
                      f"{g['images']:,} images, seed{'s' if len(g['seeds']) > 1 else ''} "
                      f"{','.join(map(str, g['seeds']))}: {g['commit'][:7]}{'-dirty' if 'dirty' in g['commit'] else ''}"
                      f" ({'hash ' + g['hash'] if g['hash'] else 'no hash'})" for g in groups)
-                 for name, groups in result['run_code'].items()))
+                 for name, groups in result['run_code'].items()) + ''.join(
+                 f"\n- {name}: timed against {d['builds_on']}, {d['timed']['rounds']} rounds of {d['timed']['steps']} "
+                 f"steps, img/s {d['timed']['ratio']:.3f}x [{d['timed']['low']:.3f}, {d['timed']['high']:.3f}] the "
+                 f"arm below's, {d['timed']['start_s']:.1f} s paid once beyond the steady rate "
+                 f"({d['timed']['start_s_below']:.1f} s below): {d['timed']['commit'][:7]} (hash {d['timed']['hash']})"
+                 for name, d in result['levers'].items() if 'timed' in d))
     score = 'digits FD (classifier features)' if cfg.dataset == 'digits' else 'FID'
     power = ', '.join(f"{p['rate']:.0%} against a gain of {share} of the baseline's images ({p['gain']:,.0f})"
                       for share, p in rule['power'].items())
     ladder_rule = (
-        f"speed levers run {cfg.speed_images:,} images (judged by img/s over a planned run: the first step once, "
-        f"the rest at their steady rate), the diffusers grid's screen {cfg.screen_images:,} (one seed, to its end, "
+        (f"speed levers timed against the arm below in one process ({cfg.speed_rounds} rounds of "
+         f"{cfg.speed_steps} steps, the two arms in turn, after {WARMUP_STEPS} warm-up steps into an empty "
+         f"Inductor cache; each round a pair), judged by img/s over the planned run (the warm-up's seconds beyond "
+         f"the steady rate paid once, every image at the round's rate)" if any(
+             'timed' in d for d in levers.values()) else
+         f"speed levers run {cfg.speed_images:,} images (judged by img/s over a planned run: the first step once, "
+         f"the rest at their steady rate)") +
+        f", the diffusers grid's screen {cfg.screen_images:,} (one seed, to its end, "
         f"scored by its last two evaluations' mean). The keep rule: a lever is judged on images to the target "
         f"when it leaves the step's work unchanged (so that the machine's speed cannot decide it), on minutes "
         f"when it changes the work, on img/s when it is a speed lever; it passes the screen when the mean of its "

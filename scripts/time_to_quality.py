@@ -6,8 +6,9 @@ one ladder. Every run is scored every --eval-every images and ends when its scor
 The ladder, in the order it runs (each step a part that `--train` can run alone, once those above it
 are finished):
   baseline    the paper's recipe, --seeds seeds (the headline's reference);
-  speed       levers of the step's speed, each on the levers kept so far, --lever-seeds seeds paired
-              with the arm below at --speed-images, judged by img/s;
+  speed       levers of the step's speed, each on the levers kept so far, timed against the arm below
+              interleaved in one process (--speed-rounds rounds, each a pair), judged by img/s over
+              the planned run;
   quality     levers of the images needed, each on the levers kept so far, --lever-seeds seeds paired
               with the arm below, judged by the images to --target (by the minutes when the lever
               changes the step's work);
@@ -48,10 +49,11 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluation  # noqa: E402
 import ladder_arms  # noqa: E402
+import ladder_speed  # noqa: E402
 import train  # noqa: E402
 from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, check_ranges, flag,  # noqa: E402
                  parse_config, run_main)
-from devices import cpu_has_native_bf16, pick_device  # noqa: E402
+from devices import cpu_has_native_bf16, device_name, pick_device  # noqa: E402
 from diffusers_io import diffusers_missing_reason  # noqa: E402
 from files import atomic_open, check_creatable, check_writable, folder_in_use  # noqa: E402
 from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, Lever, chosen, decay_plan, slug  # noqa: E402
@@ -87,8 +89,12 @@ class LadderConfig:
                                              'recipe\'s final seeds, the lr-decay lever\'s and, once it is kept, the '
                                              'arms above it (default: half of --images, 200,000: about the demo\'s '
                                              'plan, what a user would plan for this target)', at_least=1)
-    speed_images: int = flag(25_000, 'training images of each run of the speed levers and of the arm below them '
-                                     '(judged by img/s alone)', at_least=1)
+    speed_rounds: int = flag(10, 'rounds of a speed lever\'s timing against the arm below, interleaved in one '
+                                 'process: the keep rule\'s pairs (at least --seeds)', at_least=3)
+    speed_steps: int = flag(30, 'training steps of each arm per round of that timing', at_least=1)
+    speed_images: int = flag(25_000, 'the images of the speed levers\' separate short runs in ladders recorded '
+                                     'before the interleaved timing (their curves are read, never trained)',
+                             at_least=1)
     screen_images: int = flag(100_000, 'training images of each diffusers variant\'s screen (one seed; judged by '
                                        'the mean of its last two scores)', at_least=1)
     easy_at: int = flag(100_000, 'the easier target: the score the baseline\'s worst seed has after this many '
@@ -209,9 +215,8 @@ class Missing(Exception):
     --train, and --retrain does not name it). `trainable`: a dry pass (validate) stopped at a run that
     the command itself would train."""
 
-    def __init__(self, part: str, job: 'Job', trainable: bool = False):
-        super().__init__(f'part {part!r}: {job.arm.name}, seed {job.seed} ({job.images:,} images) is not finished; '
-                         f'run it with --train {part}')
+    def __init__(self, part: str, what: str, trainable: bool = False):
+        super().__init__(f'part {part!r}: {what} is not finished; run it with --train {part}')
         self.part, self.trainable = part, trainable
 
 
@@ -349,7 +354,11 @@ def check_curves(cfg: LadderConfig, identity: dict, target):
                           f"curve file's, without .json)")
     for name in files:
         if name not in retrain_names(cfg):
-            reuse_or_refuse(os.path.join(folder, name + '.json'), cfg, identity, target)
+            path = os.path.join(folder, name + '.json')
+            if name.endswith('-speed'):
+                ladder_speed.checked(path, cfg, identity, code_identity()['hash'])
+            else:
+                reuse_or_refuse(path, cfg, identity, target)
 
 
 def run_job(job: Job, cfg: LadderConfig, identity: dict, stop: StopFlag = None) -> dict | None:
@@ -406,7 +415,8 @@ class Ladder:
         todo = [j for j in new if read_result(j, self.cfg, self.identity) is None]
         named = retrain_names(self.cfg)
         if todo and (self.dry or (part not in self.parts and not {j.name for j in todo} <= named)):
-            raise Missing(part, todo[0], trainable=part in self.parts or {j.name for j in todo} <= named)
+            raise Missing(part, f'{todo[0].arm.name}, seed {todo[0].seed} ({todo[0].images:,} images)',
+                          trainable=part in self.parts or {j.name for j in todo} <= named)
         results = run_all(new, self.cfg, self.identity, self.stop) if new else []
         if results is None:
             return None
@@ -430,7 +440,7 @@ class Ladder:
         ((arm, its results), (the lever's arm, its results), images), or None."""
         folder, found = curves_dir(self.cfg), {}
         for name in sorted(os.listdir(folder)) if lever.images is None and os.path.isdir(folder) else []:
-            if name.startswith(slug(lever.name) + '-') and name.endswith('.json'):
+            if name.startswith(slug(lever.name) + '-') and name.endswith('.json') and not name.endswith('-speed.json'):
                 saved = reuse_or_refuse(os.path.join(folder, name), self.cfg, self.identity, target)
                 run, flags, cut = saved['run'], saved['run']['arm']['flags'], -len(lever.flags)
                 if run['arm']['name'] == lever.name and flags[cut:] == lever.flags:
@@ -463,8 +473,10 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry:
         stack, below, planned, kept = list(BASELINE), BASELINE_ARM, cfg.images, []
         for lever in speed_levers(device, cfg):
             arm = Arm(lever.name, lever.changes, stack + lever.flags)
-            images = cfg.speed_images if lever.part == 'speed' else planned
-            decision = judge_lever(ladder, lever, arm, below, images, target, list(kept))
+            if lever.judged_by == 'speed':
+                decision = judge_speed(ladder, lever, arm, below, planned, target, list(kept))
+            else:
+                decision = judge_lever(ladder, lever, arm, below, planned, target, list(kept))
             if decision is None:
                 return None
             done['decisions'][lever.name], done['planned'][lever.name] = decision, decision.pop('images')
@@ -493,17 +505,17 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry:
 
 
 def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int, target: float,
-                kept: list) -> dict | None:
+                kept: list, part: str = None) -> dict | None:
     """The keep rule (ladder_stats.keep_rule) on one lever: its screen's pairs against the arm below and,
     when it passes, the pairs that confirm it, trained when this command trains the lever's part; left
     'pending' when it does not. A lever whose screen ran here on an arm since left out (Ladder.elsewhere)
     is judged on those runs against that arm, and never stacked. None when a signal stopped the ladder."""
-    cfg = ladder.cfg
+    cfg, part = ladder.cfg, part or lever.part
     screen, confirm, mine_at = range(cfg.lever_seeds), range(max(cfg.seeds, cfg.lever_seeds)), lever.images or images
     elsewhere = False
     try:
-        theirs = ladder.get(lever.part, below, screen, images, target)
-        mine = theirs and ladder.get(lever.part, arm, screen, mine_at, target)
+        theirs = ladder.get(part, below, screen, images, target)
+        mine = theirs and ladder.get(part, arm, screen, mine_at, target)
     except Missing as missing:
         found = None if missing.trainable else ladder.elsewhere(lever, screen, target)
         if found is None:
@@ -517,8 +529,8 @@ def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int,
     decision = decide(mine, theirs)
     if decision['status'] == 'pending' and not elsewhere:
         try:
-            theirs = ladder.get(lever.part, below, confirm, images, target)
-            mine = theirs and ladder.get(lever.part, arm, confirm, mine_at, target)
+            theirs = ladder.get(part, below, confirm, images, target)
+            mine = theirs and ladder.get(part, arm, confirm, mine_at, target)
             if mine is None:
                 return None
         except Missing as missing:
@@ -531,6 +543,40 @@ def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int,
     return {'lever': lever.name, 'builds_on': below.name, 'judged_by': lever.judged_by, 'elsewhere': elsewhere,
             'kept_below': kept, 'fresh': elsewhere or not all(r.get('code') for r in mine + theirs),
             'images': mine_at, **decision}
+
+
+def judge_speed(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, planned: int, target: float,
+                kept: list) -> dict | None:
+    """The keep rule on a speed lever: it and the arm below timed interleaved in one process (ladder_speed,
+    --speed-rounds rounds, each a pair), judged by img/s over the planned run; the timing saved as
+    OUT_DIR/STEM-runs/<lever>-speed.json, reused or refused like a curve. A ladder recorded before this
+    timing has the lever's short runs (--speed-images): read and judged as they were, never trained."""
+    cfg = ladder.cfg
+    path, name = os.path.join(curves_dir(cfg), f'{slug(lever.name)}-speed.json'), f'{slug(lever.name)}-speed'
+    arms = {'lever': {'name': lever.name, 'flags': arm.flags}, 'below': {'name': below.name, 'flags': below.flags}}
+    again = name in retrain_names(cfg)
+    if os.path.isfile(path) and not again:
+        saved = ladder_speed.checked(path, cfg, ladder.identity, code_identity()['hash'], arms)
+    elif not again and all(os.path.isfile(curve_path(Job(a, s, cfg.speed_images, target), cfg)) for a in (arm, below)
+                           for s in range(cfg.lever_seeds)):
+        return judge_lever(ladder, lever, arm, below, cfg.speed_images, target, kept, part='speed (short runs)')
+    elif ladder.dry or ('speed' not in ladder.parts and not again):
+        raise Missing('speed', f"{lever.name}'s timing against {below.name}", 'speed' in ladder.parts or again)
+    else:
+        print(f'{lever.name}: timed against {below.name}, interleaved', flush=True)
+        device = pick_device(cfg.device)
+        got = ladder_speed.interleave({below.name: below.flags, lever.name: arm.flags}, base_flags(cfg), device,
+                                      cfg.speed_rounds, cfg.speed_steps, stop=ladder.stop)
+        if got is None:
+            return None
+        saved = ladder_speed.record(arms, got, cfg, ladder.identity, code_identity(), device_name(device))
+        os.makedirs(curves_dir(cfg), exist_ok=True)
+        with atomic_open(path) as f:
+            json.dump(saved, f, indent=1)
+        ladder.trained.add(name)
+    return {'lever': lever.name, 'builds_on': below.name, 'judged_by': 'speed', 'elsewhere': False, 'kept_below': kept,
+            'fresh': False, 'images': planned,
+            **ladder_speed.decide(saved, planned, cfg.lever_seeds, max(cfg.seeds, cfg.lever_seeds))}
 
 
 def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry: bool = False,
@@ -579,19 +625,17 @@ def check_arms(cfg: LadderConfig):
     first evaluation, before any run starts."""
     device = pick_device(cfg.device)
     levers = speed_levers(device, cfg) if cfg.ladder == 'speed' else []
-    budgets = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), cfg.speed_images if
-                                               lv.judged_by == 'speed' else lv.images or cfg.images) for lv in levers]
+    budgets = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), lv.images or cfg.images)
+                                              for lv in levers]
     if cfg.ladder in STUDIES:
         budgets = [(arm, cfg.images) for arm in chosen(cfg, STUDIES[cfg.ladder]())]
     else:
         if reason := diffusers_missing_reason():
             raise ConfigError(f'the diffusers recipe arms: {reason}')
         budgets += [(arm, images) for arm in recipe_variants(cfg) for images in (cfg.screen_images, decay_plan(cfg))]
-    speed_batch = max(train.check_flags(base_flags(cfg) + BASELINE + lv.flags).batch_size for lv in levers
-                      if lv.judged_by == 'speed') if any(lv.judged_by == 'speed' for lv in levers) else 1
-    if math.ceil(cfg.speed_images / speed_batch) < 2:
-        raise ConfigError(f'--speed-images {cfg.speed_images}: a speed run needs two steps at least (batch '
-                          f'{speed_batch}): its steady img/s is timed after the first')
+    if any(lv.judged_by == 'speed' for lv in levers) and cfg.speed_rounds < max(cfg.seeds, cfg.lever_seeds):
+        raise ConfigError(f'--speed-rounds {cfg.speed_rounds}: fewer than the pairs that keep a lever '
+                          f'({max(cfg.seeds, cfg.lever_seeds)}, --seeds): no speed lever could be kept')
     for arm, images in budgets:
         batch = recipe_settings(arm)[0] if arm.recipe else train.check_flags(base_flags(cfg) + arm.flags).batch_size
         if math.ceil(images / batch) * batch < cfg.eval_every:
@@ -620,9 +664,8 @@ def check_run_lengths(cfg: LadderConfig, target: float):
     outlasts the run) is refused now, not when its run starts."""
     device = pick_device(cfg.device)
     levers = speed_levers(device, cfg) if cfg.ladder == 'speed' else []
-    arms = [(BASELINE_ARM, images) for images in (cfg.images, cfg.speed_images)] + [
-        (Arm(lv.name, '', BASELINE + lv.flags),
-         cfg.speed_images if lv.judged_by == 'speed' else lv.images or cfg.images) for lv in levers]
+    arms = [(BASELINE_ARM, cfg.images)] + [(Arm(lv.name, '', BASELINE + lv.flags), lv.images or cfg.images)
+                                           for lv in levers]
     if levers:
         every = Arm('every lever', '', BASELINE + [f for lv in levers for f in lv.flags])
         arms += [(every, images) for images in {cfg.images, decay_plan(cfg)}]

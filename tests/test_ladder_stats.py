@@ -110,16 +110,24 @@ def test_images_to_a_target_and_the_pooled_spread():
 def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_path):
     import json
 
+    import types
+
     import arm_speed
+    import ladder_speed
     timed = []
-    monkeypatch.setattr(arm_speed, 'build', lambda arm, *args: (arm.name, None))
-    monkeypatch.setattr(arm_speed.data, 'load_dataset', lambda *args, **kwargs: None)
+
+    def fake_build(flags, *args):  # the arm told by its flags, as the measurement builds it
+        name = 'width 8' if '--base-channels' in flags else 'no attention' if '--attn-resolutions' in flags else \
+            'baseline'
+        return types.SimpleNamespace(name=name, cfg=types.SimpleNamespace(batch_size=32)), None
+    monkeypatch.setattr(ladder_speed, 'build', fake_build)
+    monkeypatch.setattr(ladder_speed.data, 'load_dataset', lambda *args, **kwargs: None)
 
     def fake_timed(run, batches, first, steps):  # each arm's own steady rate, the order recorded
         if first >= 1:  # after the warm-up
-            timed.append(run)
-        return {'baseline': 100.0, 'width 8': 150.0, 'no attention': 120.0}[run] * (1 + 0.01 * len(timed))
-    monkeypatch.setattr(arm_speed, 'timed', fake_timed)
+            timed.append(run.name)
+        return {'baseline': 100.0, 'width 8': 150.0, 'no attention': 120.0}[run.name] * (1 + 0.01 * len(timed))
+    monkeypatch.setattr(ladder_speed, 'timed', fake_timed)
     (tmp_path / 's.json').write_text('an earlier report')  # a rerun replaces it
     assert arm_speed.main(['--ladder', 'shape', '--arms', 'width 8,no attention', '--rounds', '3', '--steps', '2',
                            '--warmup', '1', '--out-dir', str(tmp_path), '--stem', 's']) == 0

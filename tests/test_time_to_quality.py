@@ -22,8 +22,8 @@ import ladder_stats as stats
 import time_to_quality as ttq
 import train
 
-TINY = ['--images', '64', '--speed-images', '64', '--screen-images', '64', '--easy-at', '32', '--eval-every', '32',
-        '--eval-samples', '8', '--sample-steps', '2', '--seeds', '2', '--lever-seeds', '2']
+TINY = ['--images', '64', '--speed-rounds', '3', '--speed-steps', '1', '--screen-images', '64', '--easy-at', '32',
+        '--eval-every', '32', '--eval-samples', '8', '--sample-steps', '2', '--seeds', '2', '--lever-seeds', '2']
 
 
 CACHE = {}  # the digit classifier's cache, shared by every test (training it takes seconds)
@@ -58,20 +58,24 @@ def copy_part(part, tmp_path):
 def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction')) == 0
     result = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
-    assert list(result['arms']) == ['baseline', '+ channels-last', '+ v-prediction', 'diffusers recipe']
+    levers = result['levers']
+    timed_only = [] if levers['+ channels-last']['kept'] else ['+ channels-last']  # kept by noise: v-prediction's base
+    assert list(result['arms']) == [n for n in ('baseline', '+ channels-last', '+ v-prediction', 'diffusers recipe')
+                                    if n not in timed_only]
     assert result['config']['images'] == 64 and result['torch'] == torch.__version__ and result['command']
     for name, runs in result['runs'].items():
         planned = [32] if name == 'diffusers recipe' else [32, 64]  # its final seeds plan --decay-images, 64 / 2
         assert all([p['images'] for p in run['curve']] == (
             [32, 64] if run['run']['stop_at'] is None else planned) for run in runs), name
         assert all(p['minutes'] > 0 and p['score'] > result['floor'] for run in runs for p in run['curve'])
-    assert [len(result['runs'][name]) for name in result['arms']] == [2, 2, 2, 3]  # the recipe: its screen too
+    assert [len(result['runs'][name]) for name in result['arms']] == [2] * (len(result['arms']) - 1) + [3]  # its screen
     assert result['targets'] == {'target': 12.3, 'easy_target': max(
         run['curve'][0]['score'] for run in result['runs']['baseline'])}  # the worst seed's score at 32 images
-    levers = result['levers']
-    below = '+ channels-last' if levers['+ channels-last']['kept'] else 'baseline'  # img/s of two-step runs: noise
+    below = '+ channels-last' if levers['+ channels-last']['kept'] else 'baseline'  # img/s of 3 one-step rounds: noise
     assert [levers[n]['builds_on'] for n in levers] == ['baseline', below]
     assert levers['+ channels-last']['judged_by'] == 'speed' and levers['+ v-prediction']['n'] == 2
+    assert levers['+ channels-last']['n'] == 3 and levers['+ channels-last']['timed']['rounds'] == 3
+    assert levers['+ channels-last']['timed']['hash'] == ttq.code_identity()['hash']
     assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
     headline = result['headline']
     # No run reaches 12.3, so no ratio to it; one to the easier target (the baseline's worst seed's score)
@@ -79,17 +83,20 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert result['best_peer'] == 'diffusers recipe' and all(
         value is None for label, value in headline.items() if 'to 12.30' in label)
     assert any('against the best diffusers variant (diffusers recipe)' in label for label in headline)
-    curves = sorted(os.listdir(tmp_path / 'out' / 'ladder-runs'))
-    assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-64-seed0.json',
-                      'channels-last-64-seed1.json', 'diffusers-recipe-32-seed0.json',
+    curves = sorted(n for n in os.listdir(tmp_path / 'out' / 'ladder-runs') if not n.startswith('channels-last-64'))
+    assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-speed.json',
+                      'diffusers-recipe-32-seed0.json',
                       'diffusers-recipe-32-seed1.json', 'diffusers-recipe-64-screen-seed0.json',
                       'v-prediction-64-seed0.json', 'v-prediction-64-seed1.json']
     markdown = (tmp_path / 'out' / 'ladder.md').read_text()
     assert 'not reached (0 of 2 seeds)' in markdown and '| diffusers recipe |' in markdown and 'Levers' in markdown
+    assert '| + channels-last | baseline | speed (interleaved) | 3 rounds |' in markdown
+    assert '- + channels-last: timed against baseline, 3 rounds of 1 steps' in markdown
     assert (tmp_path / 'out' / 'ladder.png').read_bytes()[:4] == b'\x89PNG'
     # The same command again, even with an empty runs folder (another machine), trains nothing.
     monkeypatch.setattr(train, 'cli', lambda argv: pytest.fail('a finished run was trained again'))
     monkeypatch.setattr(ttq, 'recipe_arm', lambda *args: pytest.fail('a finished recipe run was trained again'))
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kw: pytest.fail('a lever was timed again'))
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction', '--runs-dir',
                                 str(tmp_path / 'elsewhere'))) == 0
     assert json.loads((tmp_path / 'out' / 'ladder.json').read_text())['runs'] == result['runs']
@@ -174,11 +181,113 @@ def curve_in_images(at20: float, at10: float, img_per_s: float = 100.0) -> dict:
             'img_per_s': img_per_s, 'train_minutes': at10 / img_per_s / 60}
 
 
+def timing(lever_rates, below_rates, lever_warmup=1.0, below_warmup=1.0):
+    """A saved interleaved timing, hand-made: the lever ('L') and the arm below ('B'), batch 32, 10 warm-up steps."""
+    return {'lever': {'name': 'L', 'flags': ['--compile']}, 'below': {'name': 'B', 'flags': []},
+            'img_per_s': {'L': lever_rates, 'B': below_rates}, 'warmup_s': {'L': lever_warmup, 'B': below_warmup},
+            'batch': 32, 'warmup_steps': 10, 'rounds': len(lever_rates), 'steps': 30,
+            'code': {'hash': 'h', 'commit': 'c' * 40}}
+
+
+def test_a_timed_speed_lever_pays_its_warm_up_once_over_the_planned_run():
+    # A compile-like lever: 120 s of warm-up, then 1.2x the rate of the arm below (whose warm-up is its 10
+    # steps at its own rate). Over 400,000 planned images it wins, over 10,000 it loses; each round a pair.
+    import ladder_speed
+    below = [100.0, 90.0, 110.0, 95.0, 105.0]
+    lever = [120.0, 110.0, 130.0, 112.0, 128.0]
+    saved = timing(lever, below, lever_warmup=120.0, below_warmup=10 * 32 / 100.0)
+    start = 120.0 - 10 * 32 / statistics.median(lever)
+    assert ladder_speed.start_seconds(120.0, lever, 32, 10) == pytest.approx(start)
+    assert ladder_speed.start_seconds(10 * 32 / 100.0, below, 32, 10) == 0.0  # its warm-up is its steps
+    for planned, kept in ((400_000, True), (10_000, False)):
+        got = ladder_speed.decide(saved, planned, screen=3, confirm=5)
+        gains = [planned / (start + planned / m) - planned / (planned / b) for m, b in zip(lever, below)]
+        assert got['gains'] == pytest.approx(gains) and got['kept'] is kept and got['n'] == 5
+    logs = [math.log(m / b) for m, b in zip(lever, below)]
+    assert got['timed']['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
+    half = 2.776445105 * statistics.stdev(logs) / math.sqrt(5)
+    assert got['timed']['low'] == pytest.approx(math.exp(statistics.mean(logs) - half))
+    assert ladder_speed.decide(timing(lever[:3], below[:3]), 400_000, 3, 5)['status'] == 'pending'
+
+
+def fake_interleave(calls, faster=1.0):
+    def interleave(arms, common, device, rounds, steps, stop=None):
+        calls.append(list(arms))
+        below, lever = list(arms)
+        return {'img_per_s': {below: [100.0 + r for r in range(rounds)],
+                              lever: [faster * (100.0 + r) + (-1) ** r for r in range(rounds)]},
+                'warmup_s': {below: 1.0, lever: 1.0}, 'batch': {below: 32, lever: 32}}
+    return interleave
+
+
+def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatch, tmp_path):
+    calls = []
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', fake_interleave(calls, faster=1.2))
+    monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': j.identity(), **curve_in_images(300, 600)}
+                                                             for j in jobs])
+    cfg = ttq.LadderConfig(arms='+ channels-last', seeds=3, lever_seeds=3, images=1000, screen_images=200,
+                           easy_at=200, out_dir=str(tmp_path))
+    identity = {'ladder': 'this one'}
+    first = ttq.climb(cfg, 10.0, ttq.StopFlag(), identity)['decisions']['+ channels-last']
+    assert first['kept'] and first['timed']['ratio'] > 1.19 and len(calls) == 1
+    path = tmp_path / 'cpu-digits-time-to-quality-runs' / 'channels-last-speed.json'
+    saved = json.loads(path.read_text())
+    assert saved['code'] == ttq.code_identity() and saved['ladder'] == identity and saved['rounds'] == 10
+    assert ttq.climb(cfg, 10.0, ttq.StopFlag(), identity)['decisions']['+ channels-last'] == first
+    assert len(calls) == 1  # reused, not timed again
+    ttq.check_curves(cfg, identity, 10.0)  # the timing passes the scan of every file too
+
+    def refused(expected, changed_cfg=cfg, changed_identity=identity):
+        for check in (lambda: ttq.check_curves(changed_cfg, changed_identity, 10.0),
+                      lambda: ttq.climb(changed_cfg, 10.0, ttq.StopFlag(), changed_identity)):
+            with pytest.raises(ttq.ConfigError) as error:
+                check()
+            assert str(path) in str(error.value) and expected in str(error.value), str(error.value)
+            assert '\n' not in str(error.value) and '--retrain channels-last-speed' in str(error.value)
+    refused('timed with other settings: rounds 10 (now 11)', dataclasses.replace(cfg, speed_rounds=11))
+    refused('made by another ladder', changed_identity={'ladder': 'another'})
+    path.write_text(json.dumps({**saved, 'img_per_s': {**saved['img_per_s'], '+ channels-last': [
+        r * 2 for r in saved['img_per_s']['+ channels-last']]}}))
+    refused('edited since it was written')
+    path.write_text(path.read_text()[:40])
+    refused('damaged')
+    path.write_text(json.dumps(saved))
+    monkeypatch.setattr(ttq, 'code_identity', lambda: {'hash': 'other', 'commit': 'x'})
+    refused('made by other code (hash ')
+    # --retrain names it: timed again, its file replaced (here, no faster: not kept).
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', fake_interleave(calls, faster=1.0))
+    again = ttq.climb(dataclasses.replace(cfg, retrain='channels-last-speed'), 10.0, ttq.StopFlag(), identity)
+    assert len(calls) == 2 and not again['decisions']['+ channels-last']['kept']
+    assert json.loads(path.read_text())['code']['hash'] == 'other'
+
+
+def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing(monkeypatch, tmp_path):
+    import types
+
+    import ladder_speed
+    monkeypatch.setattr(ladder_speed, 'build', lambda flags, *args: (types.SimpleNamespace(
+        cfg=types.SimpleNamespace(batch_size=32)), None))
+    monkeypatch.setattr(ladder_speed.data, 'load_dataset', lambda *args, **kwargs: None)
+    monkeypatch.setattr(ladder_speed, 'timed', lambda *args: 100.0)
+    stopped = types.SimpleNamespace(reason='SIGTERM')
+    assert ladder_speed.interleave({'a': [], 'b': []}, ['--device', 'cpu'], torch.device('cpu'), 3, 1,
+                                   stop=stopped, say=lambda line: None) is None
+    monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': j.identity(), **curve_in_images(300, 600)}
+                                                             for j in jobs])
+    cfg = ttq.LadderConfig(arms='+ channels-last', seeds=3, lever_seeds=3, images=1000, screen_images=200,
+                           easy_at=200, out_dir=str(tmp_path))
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kwargs: None)  # a signal mid-timing
+    assert ttq.climb(cfg, 10.0, ttq.StopFlag(), {}) is None
+    assert not os.path.exists(tmp_path / 'cpu-digits-time-to-quality-runs' / 'channels-last-speed.json')
+    done = ttq.climb(dataclasses.replace(cfg, train='baseline'), 10.0, ttq.StopFlag(), {})
+    assert "part 'speed': + channels-last's timing against baseline is not finished" in done['missing']
+
+
 def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_target(monkeypatch, tmp_path):
     # Hand-made runs: v-prediction reaches 20 (the easy score) in fewer images on every seed but 10 (the
     # target) in more; Min-SNR the other way round. Only the target decides: v-prediction is left out at
     # the screen, Min-SNR passes it on 3 pairs and is kept on 4 (its confirmation trains seed 3). Channels-
-    # last, a speed lever, trains no faster: left out, judged on its own short budget.
+    # last, a speed lever, times no faster against the baseline, interleaved: left out, no run trained.
     made = {'baseline': lambda s: curve_in_images(300 + 10 * s, 600 + 10 * s, 100 + s),
             '+ channels-last': lambda s: curve_in_images(300, 600, 100 + (-1) ** s),
             '+ v-prediction': lambda s: curve_in_images(200 + 10 * s, 700 + 10 * s),
@@ -190,18 +299,26 @@ def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_targ
         seen.extend((job.arm.name, job.arm.flags, job.images, job.seed, job.target) for job in jobs)
         return [{'run': job.identity(), **made[job.arm.name](job.seed)} for job in jobs]
     monkeypatch.setattr(ttq, 'run_all', fake)
+    timed = []
+
+    def interleave(arms, common, device, rounds, steps, stop=None):  # channels-last no faster, round by round
+        timed.append((arms, rounds, steps))
+        return {'img_per_s': {'baseline': [100.0 + r for r in range(rounds)],
+                              '+ channels-last': [100.0 + r - (-1) ** r for r in range(rounds)]},
+                'warmup_s': {'baseline': 1.0, '+ channels-last': 1.0}, 'batch': {'baseline': 32, '+ channels-last': 32}}
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', interleave)
     cfg = ttq.LadderConfig(arms='+ channels-last,+ v-prediction,+ Min-SNR-5', seeds=4, lever_seeds=3, images=1000,
-                           speed_images=100, screen_images=200, easy_at=200, out_dir=str(tmp_path))
+                           screen_images=200, easy_at=200, out_dir=str(tmp_path))
     done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {})
     assert {n: (d['builds_on'], d['status']) for n, d in done['decisions'].items()} == {
         '+ channels-last': ('baseline', 'screen failed'), '+ v-prediction': ('baseline', 'screen failed'),
         '+ Min-SNR-5': ('baseline', 'kept')}
     assert done['decisions']['+ Min-SNR-5']['n'] == 4 and done['decisions']['+ v-prediction']['n'] == 3
     runs = {(name, images, seed, target) for name, _, images, seed, target in seen}
-    assert {(images, seed) for name, images, seed, _ in runs if name == '+ channels-last'} == {(100, 0), (100, 1),
-                                                                                                 (100, 2)}
+    assert timed == [({'baseline': ttq.BASELINE, '+ channels-last': ttq.BASELINE + ['--channels-last']}, 10, 30)]
+    assert done['decisions']['+ channels-last']['n'] == 10 and not any(n == '+ channels-last' for n, *_ in runs)
     assert {(name, images, seed) for name, images, seed, _ in runs if name == 'baseline'} == {
-        ('baseline', 1000, s) for s in range(4)} | {('baseline', 100, s) for s in range(3)}  # beside each speed lever
+        ('baseline', 1000, s) for s in range(4)}  # no short runs beside a speed lever
     assert {seed for name, _, _, seed, _ in seen if name == '+ v-prediction'} == {0, 1, 2}  # no confirmation
     assert ('+ Min-SNR-5', ttq.BASELINE + ['--loss-weight', 'min-snr'], 1000, 3, 10.0) in seen  # its 4th pair
     assert ('diffusers recipe', ['--batch-size', '16', '--lr', '1e-4'], 200, 0, None) in seen  # the screen: no stop
@@ -330,7 +447,7 @@ def test_the_recipes_ema_is_judged_through_our_network_as_the_same_function():
     (['--target', '5', '--arms', '+ channels-last'], 'below the floor of the digits score'),
     (['--images', '20', '--screen-images', '20', '--eval-every', '100'],
      'before its first evaluation'),  # batch 32: it ends at 32
-    (['--speed-images', '32', '--eval-every', '32'], 'a speed run needs two steps'),
+    (['--arms', '+ channels-last', '--speed-rounds', '3', '--seeds', '4'], '--speed-rounds 3: fewer than the pairs'),
     (['--screen-images', '10', '--eval-every', '20'], "'diffusers recipe' ends at 16 images"),  # its batch 16
     (['--easy-at', '1000'], '--easy-at 1000'),
     (['--lever-seeds', '1'], '--lever-seeds'),
@@ -688,7 +805,7 @@ def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root, basel
 
 
 def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_path, root):
-    args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '1600', '--speed-images', '1600',
+    args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '1600',
                    '--screen-images', '1600', '--eval-every', '800', '--easy-at', '800', '--seeds', '2',
                    '--lever-seeds', '2')  # two seeds: the rerun's part stays short
     process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -727,7 +844,7 @@ def alive(pid: int) -> bool:
 @pytest.mark.skipif(not os.path.exists('/proc/self/task'), reason='reads children from /proc (Linux)')
 def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp_path, root):
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--workers', '2', '--train', 'baseline', '--images',
-                   '1600', '--speed-images', '1600', '--screen-images', '1600', '--eval-every', '800',
+                   '1600', '--screen-images', '1600', '--eval-every', '800',
                    '--easy-at', '800', '--seeds', '2', '--lever-seeds', '2')  # the two runs the workers hold
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
