@@ -217,19 +217,22 @@ def report(result: dict, cfg):
                  f"\n- {name}: timed against {d['builds_on']}, {d['timed']['rounds']} rounds of {d['timed']['steps']} "
                  f"steps, img/s {d['timed']['ratio']:.3f}x [{d['timed']['low']:.3f}, {d['timed']['high']:.3f}] the "
                  f"arm below's, {d['timed']['start_s']:.1f} s paid once beyond the steady rate "
-                 f"({d['timed']['start_s_below']:.1f} s below): {d['timed']['commit'][:7]} (hash {d['timed']['hash']})"
+                 f"({d['timed']['start_s_below']:.1f} s below), on {d['timed']['device']}: {d['timed']['commit'][:7]} "
+                 f"(hash {d['timed']['hash']})"
                  for name, d in result['levers'].items() if 'timed' in d))
     score = 'digits FD (classifier features)' if cfg.dataset == 'digits' else 'FID'
     power = ', '.join(f"{p['rate']:.0%} against a gain of {share} of the baseline's images ({p['gain']:,.0f})"
                       for share, p in rule['power'].items())
     ladder_rule = (
-        (f"speed levers timed against the arm below in one process ({cfg.speed_rounds} rounds of "
-         f"{cfg.speed_steps} steps, the two arms in turn, after {WARMUP_STEPS} warm-up steps into an empty "
-         f"Inductor cache; each round a pair), judged by img/s over the planned run (the warm-up's seconds beyond "
-         f"the steady rate paid once, every image at the round's rate)" if any(
-             'timed' in d for d in levers.values()) else
-         f"speed levers run {cfg.speed_images:,} images (judged by img/s over a planned run: the first step once, "
-         f"the rest at their steady rate)") +
+        ('; '.join(([f"speed levers marked 'interleaved' timed against the arm below in one process "
+                    f"({cfg.speed_rounds} rounds of {cfg.speed_steps} steps, the two arms in turn, after "
+                    f"{WARMUP_STEPS} warm-up steps into an empty Inductor cache; each round a pair), judged by img/s "
+                    f"over the planned run (the warm-up's seconds beyond the steady rate paid once, every image at "
+                    f"the round's rate)"] if any('timed' in d for d in levers.values()) else []) +
+                  ([f"speed levers run {cfg.speed_images:,} images (judged by img/s over a planned run: the first "
+                    f"step once, the rest at their steady rate)"] if any(
+                      d['judged_by'] == 'speed' and 'timed' not in d for d in levers.values()) else []))
+         or 'no speed lever judged') +
         f", the diffusers grid's screen {cfg.screen_images:,} (one seed, to its end, "
         f"scored by its last two evaluations' mean). The keep rule: a lever is judged on images to the target "
         f"when it leaves the step's work unchanged (so that the machine's speed cannot decide it), on minutes "

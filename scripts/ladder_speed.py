@@ -55,8 +55,14 @@ def interleave(arms: dict, common: list, device, rounds: int, steps: int, warmup
     with tempfile.TemporaryDirectory() as folder:
         cache = {'TORCHINDUCTOR_CACHE_DIR': os.path.join(folder, 'inductor')} if cold else {}
         with mock.patch.dict(os.environ, cache):  # the environment put back after, an error included
-            built = {name: build(common + arms[name], device, dataset, folder) for name in names}
+            built = {}
+            for name in names:
+                built[name] = build(common + arms[name], device, dataset, folder)
+                if stop is not None and stop.reason:  # a compile can take minutes: checked after each arm
+                    return None
             for name, (run, batches) in built.items():
+                if stop is not None and stop.reason:
+                    return None
                 start = time.perf_counter()
                 timed(run, batches, 0, warmup)
                 warmup_s[name] = time.perf_counter() - start
@@ -93,7 +99,8 @@ def decide(saved: dict, planned: int, screen: int, confirm: int) -> dict:
     return {**paired_gain('speed', mine, theirs, None, planned=planned, screen=screen, confirm=confirm),
             'timed': {'rounds': len(mine), 'steps': saved['steps'], 'ratio': math.exp(logs['mean']),
                       'low': math.exp(logs['low']), 'high': math.exp(logs['high']), 'start_s': start,
-                      'start_s_below': start_below, 'commit': saved['code']['commit'], 'hash': saved['code']['hash']}}
+                      'start_s_below': start_below, 'commit': saved['code']['commit'], 'hash': saved['code']['hash'],
+                      'device': saved.get('made', {}).get('device')}}
 
 
 def refusal(saved: dict, identity: dict, code_hash: str, settings: dict, arms: dict = None) -> str | None:
@@ -126,13 +133,13 @@ def refusal(saved: dict, identity: dict, code_hash: str, settings: dict, arms: d
 
 def settings(cfg) -> dict:
     """A ladder's timing settings (time_to_quality.LadderConfig): a saved timing is reused under the same."""
-    return {'rounds': cfg.speed_rounds, 'steps': cfg.speed_steps}
+    return {'rounds': cfg.speed_rounds, 'steps': cfg.speed_steps, 'warmup_steps': WARMUP_STEPS}
 
 
 def record(arms: dict, got: dict, cfg, identity: dict, code: dict, device: str) -> dict:
     """The saved timing of a lever against the arm below (`arms`, from interleave's `got`), sealed."""
     return sealed({**arms, 'img_per_s': got['img_per_s'], 'warmup_s': got['warmup_s'],
-                   'batch': got['batch'][arms['lever']['name']], 'warmup_steps': WARMUP_STEPS, **settings(cfg),
+                   'batch': got['batch'][arms['lever']['name']], **settings(cfg),
                    'made': provenance(device), 'ladder': identity, 'code': code})
 
 

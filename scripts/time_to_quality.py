@@ -119,8 +119,8 @@ class LadderConfig:
     workers: int = flag(1, 'runs trained at once, each in its own process (then set OMP_NUM_THREADS; times are '
                            'then of a shared machine)', at_least=1)
     retrain: str = flag('', 'comma-separated finished runs to train again, replacing their curves (the names of '
-                            'their files in OUT_DIR/STEM-runs, without .json): the one way a finished curve is '
-                            'replaced; each is trained whatever --train says')
+                            'their files in OUT_DIR/STEM-runs, without .json; <lever>-speed: a speed timing): the '
+                            'one way a finished curve is replaced; each is trained whatever --train says')
 
 
 def ours(cfg: LadderConfig) -> train.TrainConfig:
@@ -263,6 +263,12 @@ def code_identity() -> dict:
     return {'hash': digest.hexdigest()[:16], 'commit': git_commit()}
 
 
+def timing_code() -> dict:  # a speed timing's code: the runs' (code_identity) and its own (ladder_speed.py)
+    mine = hashlib.sha256(open(os.path.join(ROOT, 'scripts', 'ladder_speed.py'), 'rb').read()).digest()
+    return {'hash': hashlib.sha256(code_identity()['hash'].encode() + b'\0' + mine).hexdigest()[:16],
+            'commit': code_identity()['commit']}
+
+
 @functools.lru_cache(maxsize=4)
 def floor_of(dataset: str, image_size: int, data_dir: str):
     """The lowest score a run can have: the digits score of real held-out digits; 0 for FID."""
@@ -356,7 +362,7 @@ def check_curves(cfg: LadderConfig, identity: dict, target):
         if name not in retrain_names(cfg):
             path = os.path.join(folder, name + '.json')
             if name.endswith('-speed'):
-                ladder_speed.checked(path, cfg, identity, code_identity()['hash'])
+                ladder_speed.checked(path, cfg, identity, timing_code()['hash'])
             else:
                 reuse_or_refuse(path, cfg, identity, target)
 
@@ -547,29 +553,28 @@ def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int,
 
 def judge_speed(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, planned: int, target: float,
                 kept: list) -> dict | None:
-    """The keep rule on a speed lever: it and the arm below timed interleaved in one process (ladder_speed,
-    --speed-rounds rounds, each a pair), judged by img/s over the planned run; the timing saved as
-    OUT_DIR/STEM-runs/<lever>-speed.json, reused or refused like a curve. A ladder recorded before this
-    timing has the lever's short runs (--speed-images): read and judged as they were, never trained."""
-    cfg = ladder.cfg
-    path, name = os.path.join(curves_dir(cfg), f'{slug(lever.name)}-speed.json'), f'{slug(lever.name)}-speed'
+    """The keep rule on a speed lever timed against the arm below (ladder_speed), the timing saved as
+    STEM-runs/<lever>-speed.json; a ladder recorded before this timing: its short runs, read as they were."""
+    cfg, name = ladder.cfg, f'{slug(lever.name)}-speed'
+    path = os.path.join(curves_dir(cfg), name + '.json')
     arms = {'lever': {'name': lever.name, 'flags': arm.flags}, 'below': {'name': below.name, 'flags': below.flags}}
     again = name in retrain_names(cfg)
     if os.path.isfile(path) and not again:
-        saved = ladder_speed.checked(path, cfg, ladder.identity, code_identity()['hash'], arms)
+        saved = ladder_speed.checked(path, cfg, ladder.identity, timing_code()['hash'], arms)
     elif not again and all(os.path.isfile(curve_path(Job(a, s, cfg.speed_images, target), cfg)) for a in (arm, below)
                            for s in range(cfg.lever_seeds)):
-        return judge_lever(ladder, lever, arm, below, cfg.speed_images, target, kept, part='speed (short runs)')
+        decision = judge_lever(ladder, lever, arm, below, cfg.speed_images, target, kept, part='speed (short runs)')
+        return decision and {**decision, 'fresh': True}  # never more short runs: a new ladder confirms it
     elif ladder.dry or ('speed' not in ladder.parts and not again):
         raise Missing('speed', f"{lever.name}'s timing against {below.name}", 'speed' in ladder.parts or again)
-    else:
+    else:  # a signal is heeded after each arm's build and warm-up, and each round
         print(f'{lever.name}: timed against {below.name}, interleaved', flush=True)
         device = pick_device(cfg.device)
         got = ladder_speed.interleave({below.name: below.flags, lever.name: arm.flags}, base_flags(cfg), device,
                                       cfg.speed_rounds, cfg.speed_steps, stop=ladder.stop)
         if got is None:
             return None
-        saved = ladder_speed.record(arms, got, cfg, ladder.identity, code_identity(), device_name(device))
+        saved = ladder_speed.record(arms, got, cfg, ladder.identity, timing_code(), device_name(device))
         os.makedirs(curves_dir(cfg), exist_ok=True)
         with atomic_open(path) as f:
             json.dump(saved, f, indent=1)

@@ -75,7 +75,7 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     assert [levers[n]['builds_on'] for n in levers] == ['baseline', below]
     assert levers['+ channels-last']['judged_by'] == 'speed' and levers['+ v-prediction']['n'] == 2
     assert levers['+ channels-last']['n'] == 3 and levers['+ channels-last']['timed']['rounds'] == 3
-    assert levers['+ channels-last']['timed']['hash'] == ttq.code_identity()['hash']
+    assert levers['+ channels-last']['timed']['hash'] == ttq.timing_code()['hash']
     assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
     headline = result['headline']
     # No run reaches 12.3, so no ratio to it; one to the easier target (the baseline's worst seed's score)
@@ -195,13 +195,14 @@ def test_a_timed_speed_lever_pays_its_warm_up_once_over_the_planned_run():
     import ladder_speed
     below = [100.0, 90.0, 110.0, 95.0, 105.0]
     lever = [120.0, 110.0, 130.0, 112.0, 128.0]
-    saved = timing(lever, below, lever_warmup=120.0, below_warmup=10 * 32 / 100.0)
+    saved = timing(lever, below, lever_warmup=120.0, below_warmup=2.0 + 10 * 32 / 100.0)
     start = 120.0 - 10 * 32 / statistics.median(lever)
     assert ladder_speed.start_seconds(120.0, lever, 32, 10) == pytest.approx(start)
-    assert ladder_speed.start_seconds(10 * 32 / 100.0, below, 32, 10) == 0.0  # its warm-up is its steps
+    assert ladder_speed.start_seconds(2.0 + 10 * 32 / 100.0, below, 32, 10) == pytest.approx(2.0)
+    assert ladder_speed.start_seconds(1.0, below, 32, 10) == 0.0  # never below 0
     for planned, kept in ((400_000, True), (10_000, False)):
         got = ladder_speed.decide(saved, planned, screen=3, confirm=5)
-        gains = [planned / (start + planned / m) - planned / (planned / b) for m, b in zip(lever, below)]
+        gains = [planned / (start + planned / m) - planned / (2.0 + planned / b) for m, b in zip(lever, below)]
         assert got['gains'] == pytest.approx(gains) and got['kept'] is kept and got['n'] == 5
     logs = [math.log(m / b) for m, b in zip(lever, below)]
     assert got['timed']['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
@@ -232,7 +233,7 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
     assert first['kept'] and first['timed']['ratio'] > 1.19 and len(calls) == 1
     path = tmp_path / 'cpu-digits-time-to-quality-runs' / 'channels-last-speed.json'
     saved = json.loads(path.read_text())
-    assert saved['code'] == ttq.code_identity() and saved['ladder'] == identity and saved['rounds'] == 10
+    assert saved['code'] == ttq.timing_code() and saved['ladder'] == identity and saved['rounds'] == 10
     assert ttq.climb(cfg, 10.0, ttq.StopFlag(), identity)['decisions']['+ channels-last'] == first
     assert len(calls) == 1  # reused, not timed again
     ttq.check_curves(cfg, identity, 10.0)  # the timing passes the scan of every file too
@@ -245,6 +246,12 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
             assert str(path) in str(error.value) and expected in str(error.value), str(error.value)
             assert '\n' not in str(error.value) and '--retrain channels-last-speed' in str(error.value)
     refused('timed with other settings: rounds 10 (now 11)', dataclasses.replace(cfg, speed_rounds=11))
+    refused('timed with other settings: steps 30 (now 31)', dataclasses.replace(cfg, speed_steps=31))
+    from ladder_curves import sealed
+    path.write_text(json.dumps(sealed({**saved, 'below': {'name': 'baseline', 'flags': ['--amp', 'bf16']}})))
+    with pytest.raises(ttq.ConfigError, match='timed other arms: below'):  # the scan has no arms; the ladder has
+        ttq.climb(cfg, 10.0, ttq.StopFlag(), identity)
+    path.write_text(json.dumps(saved))
     refused('made by another ladder', changed_identity={'ladder': 'another'})
     path.write_text(json.dumps({**saved, 'img_per_s': {**saved['img_per_s'], '+ channels-last': [
         r * 2 for r in saved['img_per_s']['+ channels-last']]}}))
@@ -258,7 +265,7 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
     monkeypatch.setattr(ttq.ladder_speed, 'interleave', fake_interleave(calls, faster=1.0))
     again = ttq.climb(dataclasses.replace(cfg, retrain='channels-last-speed'), 10.0, ttq.StopFlag(), identity)
     assert len(calls) == 2 and not again['decisions']['+ channels-last']['kept']
-    assert json.loads(path.read_text())['code']['hash'] == 'other'
+    assert json.loads(path.read_text())['code']['hash'] == ttq.timing_code()['hash'] != saved['code']['hash']
 
 
 def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing(monkeypatch, tmp_path):
@@ -269,9 +276,23 @@ def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing
         cfg=types.SimpleNamespace(batch_size=32)), None))
     monkeypatch.setattr(ladder_speed.data, 'load_dataset', lambda *args, **kwargs: None)
     monkeypatch.setattr(ladder_speed, 'timed', lambda *args: 100.0)
-    stopped = types.SimpleNamespace(reason='SIGTERM')
-    assert ladder_speed.interleave({'a': [], 'b': []}, ['--device', 'cpu'], torch.device('cpu'), 3, 1,
-                                   stop=stopped, say=lambda line: None) is None
+    for at in (0, 1, 3, 5):  # in the builds, the warm-ups, the first round, a later round
+        stopped, calls = types.SimpleNamespace(reason=None), []
+
+        def building(flags, *args):
+            calls.append('build')
+            stopped.reason = 'SIGTERM' if len(calls) > at else None
+            return types.SimpleNamespace(cfg=types.SimpleNamespace(batch_size=32)), None
+
+        def timing(*args):
+            calls.append('timed')
+            stopped.reason = 'SIGTERM' if len(calls) > at else None
+            return 100.0
+        monkeypatch.setattr(ladder_speed, 'build', building)
+        monkeypatch.setattr(ladder_speed, 'timed', timing)
+        assert ladder_speed.interleave({'a': [], 'b': []}, ['--device', 'cpu'], torch.device('cpu'), 3, 1,
+                                       stop=stopped, say=lambda line: None) is None
+        assert len(calls) == max(at + 1, 1), (at, calls)  # nothing more once the signal came
     monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': j.identity(), **curve_in_images(300, 600)}
                                                              for j in jobs])
     cfg = ttq.LadderConfig(arms='+ channels-last', seeds=3, lever_seeds=3, images=1000, screen_images=200,
@@ -281,6 +302,44 @@ def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing
     assert not os.path.exists(tmp_path / 'cpu-digits-time-to-quality-runs' / 'channels-last-speed.json')
     done = ttq.climb(dataclasses.replace(cfg, train='baseline'), 10.0, ttq.StopFlag(), {})
     assert "part 'speed': + channels-last's timing against baseline is not finished" in done['missing']
+
+
+def test_a_timings_code_is_the_runs_and_its_own(monkeypatch, tmp_path, root):
+    # An edit of ladder_speed.py (how a timing is made) changes the hash its timings are reused under.
+    import shutil
+    (tmp_path / 'scripts').mkdir()
+    shutil.copy(os.path.join(root, 'scripts', 'ladder_speed.py'), tmp_path / 'scripts')
+    before = ttq.timing_code()
+    monkeypatch.setattr(ttq, 'ROOT', str(tmp_path))
+    assert ttq.timing_code() == before and before['hash'] != ttq.code_identity()['hash']
+    with open(tmp_path / 'scripts' / 'ladder_speed.py', 'a') as f:
+        f.write('\nWARMUP_STEPS = 20\n')
+    assert ttq.timing_code()['hash'] != before['hash']
+
+
+def test_a_pending_lever_of_short_runs_is_confirmed_by_a_new_ladder(monkeypatch, tmp_path):
+    # A ladder recorded before the interleaved timing: its speed lever's 3 short runs pass the screen, and
+    # no command trains such runs any more, so the command that confirms it is a new ladder's.
+    cfg = ttq.LadderConfig(arms='+ channels-last', seeds=5, lever_seeds=3, images=1000, screen_images=200,
+                           easy_at=200, out_dir=str(tmp_path))
+    made = {'baseline': lambda s: {**curve_in_images(300, 600), 'img_per_s': 100.0 + s},
+            '+ channels-last': lambda s: {**curve_in_images(300, 600), 'img_per_s': 103.0 + s}}
+
+    def read(job, cfg, identity, replaced=False):
+        if job.arm.name in made and (job.images == 1000 and job.arm.name == 'baseline' or job.seed < 3):
+            return {'run': job.identity(), 'code': {'hash': 'h'}, **made[job.arm.name](job.seed)}
+        return None
+    monkeypatch.setattr(ttq, 'read_result', read)
+    for arm in (ttq.BASELINE_ARM, ttq.Arm('+ channels-last', '', ttq.BASELINE + ['--channels-last'])):
+        for seed in range(3):  # the short runs' files, as such a ladder left them
+            path = ttq.curve_path(ttq.Job(arm, seed, cfg.speed_images, 10.0), cfg)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            open(path, 'w').write('{}')
+    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kwargs: pytest.fail('timed, not read'))
+    done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {}, dry=True, trains=set())
+    decision = ttq.record(done, cfg, None)['levers']['+ channels-last']
+    assert (decision['status'], decision['n'], 'timed' in decision) == ('pending', 3, False)
+    assert '--train baseline,speed' in decision['command'] and '-confirm-channels-last' in decision['command']
 
 
 def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_target(monkeypatch, tmp_path):
