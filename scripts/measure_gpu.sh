@@ -176,7 +176,9 @@ run_part() {
               rm -rf "$out/traces"
               budget=$((limit / 3)) bench profile sampling --sampling-only ;;
     gputests) local status=0 log=$out/gputests.log
-              { timeout --kill-after=15 $((limit * 5 / 9)) python3 -m pytest -q tests/test_gpu.py \
+              # One process (-n 0): the tests share one GPU and each pays its compile alone; -v names each
+              # test as it starts, so that a cut names the test it cut.
+              { timeout --kill-after=15 $((limit * 5 / 9)) python3 -m pytest -v -n 0 tests/test_gpu.py \
                   || echo "tests/test_gpu.py: exit $? (a failure, or cut at $((limit * 5 / 9)) s)"; } 2>&1 | tee "$log"
               timeout --kill-after=15 $((limit * 4 / 9)) python3 train.py "${train_flags[@]}" --dataset shapes \
                 --shapes-count 4096 --sample-every 0 --out-dir "$scratch/train" 2>&1 | tee -a "$log" || status=$?

@@ -20,7 +20,7 @@ The keep rule (ladder_stats.keep_rule): a lever passes the screen when its mean 
 pairs (the screen's and more, run in its part) lies above zero: at most 2.5% of levers of no effect
 are kept. The arms are data (ladder_arms.py), the statistics ladder_stats.py, the report
 ladder_report.py (which also recomputes it from the finished curves alone), the diffusers arm
-ladder_recipe.py, the worker processes ladder_workers.py.
+ladder_recipe.py, the worker processes ladder_workers.py, the speed timing ladder_speed.py.
 
     python scripts/time_to_quality.py                          # the CPU ladder on digits (hours; in parts)
     python scripts/time_to_quality.py --train baseline         # one part; the others' finished runs are read
