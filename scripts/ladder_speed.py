@@ -46,29 +46,30 @@ def interleave(arms: dict, common: list, device, rounds: int, steps: int, warmup
     """Each arm ({name: train.py flags on top of `common`}) warmed up `warmup` steps (timed: a compiled
     arm compiles there; with `cold`, into an empty Inductor cache, as on a first run), then `rounds`
     rounds of `steps` timed steps each, the arms' order rotated each round. Returns {'img_per_s': {name:
-    [per round]}, 'warmup_s': {name: s}, 'batch': {name: batch}}; None when `stop` (a StopFlag) was set
-    between rounds."""
+    [per round]}, 'warmup_s': {name: s}, 'batch': {name: batch}}; None when `stop` (a StopFlag) was set,
+    as soon as the arm being built or warmed up, or the round under way, is done (a compile is not cut)."""
     base = train.check_flags(common)
     dataset = data.load_dataset(base.dataset, base.data_dir, base.image_size)
     names = list(arms)
     rates, warmup_s = {name: [] for name in names}, {}
+    halted = lambda: stop is not None and bool(stop.reason)  # noqa: E731
     with tempfile.TemporaryDirectory() as folder:
         cache = {'TORCHINDUCTOR_CACHE_DIR': os.path.join(folder, 'inductor')} if cold else {}
         with mock.patch.dict(os.environ, cache):  # the environment put back after, an error included
             built = {}
             for name in names:
                 built[name] = build(common + arms[name], device, dataset, folder)
-                if stop is not None and stop.reason:  # a compile can take minutes: checked after each arm
+                if halted():
                     return None
             for name, (run, batches) in built.items():
-                if stop is not None and stop.reason:
+                if halted():  # a compile can take minutes: checked after each arm's warm-up
                     return None
                 start = time.perf_counter()
                 timed(run, batches, 0, warmup)
                 warmup_s[name] = time.perf_counter() - start
                 say(f'{name}: warmed up ({warmup} steps, {warmup_s[name]:.1f} s)')
             for r in range(rounds):
-                if stop is not None and stop.reason:
+                if halted():
                     return None
                 for name in names[r % len(names):] + names[:r % len(names)]:
                     run, batches = built[name]
