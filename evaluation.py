@@ -189,17 +189,30 @@ def digits_classifier(image_size: int, cache_dir: str) -> tuple:
     return classifier, accuracy
 
 
-def kernel_distance(features: np.ndarray, reference: np.ndarray, seed: int = 0) -> tuple:
-    """KID (Binkowski et al. 2018, unbiased for small sample counts) through torch-fidelity: the
-    mean and spread of the unbiased MMD^2 with the cubic kernel over 100 random subsets of equal
-    size. The samples are put in one canonical order first, so that their order does not change
-    which subsets are drawn."""
-    from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
+def cubic_kernel(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """KID's kernel k(x, y) = (x.y / d + 1)^3 (Binkowski et al. 2018), the cube as two products:
+    numpy's ** 3 calls pow() per entry, and KID of 450 samples took four times as long."""
+    k = x @ y.T
+    k /= x.shape[1]
+    k += 1
+    return k * k * k
+
+
+def kernel_distance(features: np.ndarray, reference: np.ndarray, seed: int = 0, subsets: int = 100) -> tuple:
+    """KID (Binkowski et al. 2018): the mean and spread of the unbiased estimate of MMD^2 with the
+    cubic kernel over `subsets` random subsets of equal size, drawn as torch-fidelity's
+    kid_features_to_metric draws them (tests/test_digits.py checks the two agree). The samples are
+    put in one canonical order first, so that their order does not change which subsets are drawn."""
     features = features[np.lexsort(features.T[::-1])]
-    subset = min(len(features), len(reference), 1000)
-    kid = kid_features_to_metric(torch.from_numpy(features), torch.from_numpy(reference), kid_subsets=100,
-                                 kid_subset_size=subset, rng_seed=seed, verbose=False)
-    return kid[KEY_METRIC_KID_MEAN], kid[KEY_METRIC_KID_STD]
+    m = min(len(features), len(reference), 1000)
+    rng, mmds = np.random.RandomState(seed), np.zeros(subsets)
+    for i in range(subsets):
+        x = features[rng.choice(len(features), m, replace=False)]
+        y = reference[rng.choice(len(reference), m, replace=False)]
+        k_xx, k_yy = cubic_kernel(x, x), cubic_kernel(y, y)
+        within = (k_xx.sum() - np.trace(k_xx) + k_yy.sum() - np.trace(k_yy)) / (m * (m - 1))
+        mmds[i] = within - 2 * cubic_kernel(x, y).mean()
+    return float(mmds.mean()), float(mmds.std())
 
 
 FLOORS = {}  # DigitsJudge's floor by image size and classifier weights: the same numbers every time

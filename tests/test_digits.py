@@ -228,6 +228,23 @@ def test_kid_is_the_unbiased_mmd_with_the_cubic_kernel(judge):
     assert mean == pytest.approx(by_hand, rel=1e-9) and std == pytest.approx(0, abs=1e-9)
 
 
+def test_kid_draws_the_subsets_and_scores_them_as_torch_fidelity_does(judge):
+    # torch-fidelity's kid_features_to_metric, the reference: real digits (more than a subset holds, so that
+    # both draw subsets of 1000; 10 of them, not the score's 100, to keep the test short) and fewer samples
+    # than a subset (each subset all of them, reordered).
+    from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
+    theirs = judge.features(torch.cat([digits(False)[0], digits(True)[0]]))
+    shifted = judge.reference[:300] + 0.05
+    for features, reference in ((theirs, judge.reference), (shifted, judge.heldout)):
+        ordered = features[np.lexsort(features.T[::-1])]  # the canonical order ours draws from
+        expected = kid_features_to_metric(torch.from_numpy(ordered), torch.from_numpy(reference), kid_subsets=10,
+                                          kid_subset_size=min(len(features), len(reference), 1000), rng_seed=0,
+                                          verbose=False)
+        mean, std = evaluation.kernel_distance(features, reference, subsets=10)
+        assert mean == pytest.approx(expected[KEY_METRIC_KID_MEAN], rel=1e-10)
+        assert std == pytest.approx(expected[KEY_METRIC_KID_STD], rel=1e-8)
+
+
 # ----------------------------------------------------------------------------- the scripts on digits
 
 def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, tmp_path, capsys, digits_cache):
