@@ -8,6 +8,7 @@ nearest-neighbour upsampling and a conv; a skip from every down block; TF's vari
 initialisation. diffusers' UNet2DModel (google/ddpm-cifar10-32) is the same function, checked in
 float64 by tests/test_model.py. Files: checkpoint.py (ours), diffusers_io.py (diffusers').
 """
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -297,7 +298,13 @@ def count_flops(config: UNetConfig, image_size: int = None, batch_size: int = 2)
     matmul-softmax-matmul attention, which has the same FLOPs as SDPA and is counted the same
     way on every torch version. Returns {'forward': ..., 'train': forward + backward}.
     """
-    image_size = image_size or config.image_size
+    forward, train = _counted_flops(config, image_size or config.image_size, batch_size)
+    return {'forward': forward, 'train': train,
+            'method': 'torch.utils.flop_counter.FlopCounterMode (attention included)'}
+
+
+@functools.lru_cache(maxsize=None)  # a process that builds many runs (a ladder, benchmark rows) counts once: ~1 s each
+def _counted_flops(config: UNetConfig, image_size: int, batch_size: int) -> tuple:
     with torch.device('meta'):
         model = UNet(replace(config, attention='manual'))
         x = torch.randn(batch_size, config.in_channels, image_size, image_size)
@@ -307,9 +314,7 @@ def count_flops(config: UNetConfig, image_size: int = None, batch_size: int = 2)
     with FlopCounterMode(display=False) as backward_counter:
         out.sum().backward()
     forward = forward_counter.get_total_flops() / batch_size
-    backward = backward_counter.get_total_flops() / batch_size
-    return {'forward': forward, 'train': forward + backward,
-            'method': 'torch.utils.flop_counter.FlopCounterMode (attention included)'}
+    return forward, forward + backward_counter.get_total_flops() / batch_size
 
 
 def count_torchinfo_flops(config: UNetConfig, image_size: int = None) -> dict:
