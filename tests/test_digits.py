@@ -233,9 +233,9 @@ def test_kid_draws_the_subsets_and_scores_them_as_torch_fidelity_does(judge):
     # both draw subsets of 1000; 10 of them, not the score's 100, to keep the test short) and fewer samples
     # than a subset (each subset all of them, reordered).
     from torch_fidelity.metric_kid import KEY_METRIC_KID_MEAN, KEY_METRIC_KID_STD, kid_features_to_metric
-    theirs = judge.features(torch.cat([digits(False)[0], digits(True)[0]]))
+    real = judge.features(torch.cat([digits(False)[0], digits(True)[0]]))
     shifted = judge.reference[:300] + 0.05
-    for features, reference in ((theirs, judge.reference), (shifted, judge.heldout)):
+    for features, reference in ((real, judge.reference), (shifted, judge.heldout)):
         ordered = features[np.lexsort(features.T[::-1])]  # the canonical order ours draws from
         expected = kid_features_to_metric(torch.from_numpy(ordered), torch.from_numpy(reference), kid_subsets=10,
                                           kid_subset_size=min(len(features), len(reference), 1000), rng_seed=0,
