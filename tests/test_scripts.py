@@ -219,3 +219,16 @@ def test_time_demo_does_not_time_a_failed_or_unfinished_run(exit_code, rows, cod
                                                 str(tmp_path / 'out')])
     assert got == code and message in err and len(err.splitlines()) == 1
     assert not list((tmp_path / 'out').iterdir()) and not (tmp_path / 'runs' / 'seed1').exists()  # ended at seed 0
+
+
+def test_no_committed_result_or_page_names_a_local_path():
+    # A path of the machine that made a result (/tmp/..., a home folder) serves no reader: a checkpoint
+    # is named by the command and commit that made it, a folder by a placeholder (DATA_DIR, OUT_DIR, CKPT).
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parent.parent
+    local = re.compile(r'(?<![\w.])/(?:tmp|root|home|work|Users)/\S')
+    pages = [root / 'README.md', *(root / 'docs').glob('*.md'), *(p for p in (root / 'results').rglob('*')
+                                                                  if p.suffix in ('.md', '.json', '.jsonl', '.log'))]
+    named = [f'{p.relative_to(root)}: {m.group(0)}' for p in pages for m in local.finditer(p.read_text())]
+    assert not named, named[:10]
