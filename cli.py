@@ -83,14 +83,15 @@ def refused_as(what: str):
         raise ConfigError(f'{what}: {error}') from None
 
 
-def int_list(text: str, flag: str) -> tuple:
-    """'1,2,2' -> (1, 2, 2): positive whole numbers, comma-separated, or a ConfigError naming the flag."""
+def int_list(text: str, flag: str, example: str = 'such as 1,2,2') -> tuple:
+    """'1,2,2' -> (1, 2, 2): positive whole numbers, comma-separated, or a ConfigError naming the flag
+    (an empty text too)."""
     try:
         values = tuple(int(part) for part in text.split(','))
     except ValueError:
         values = ()
     if not values or min(values) < 1:
-        raise ConfigError(f'{flag} {text!r}: give positive whole numbers separated by commas, such as 1,2,2')
+        raise ConfigError(f'{flag} {text!r}: give positive whole numbers separated by commas, {example}')
     return values
 
 
@@ -162,6 +163,12 @@ def run_main(main, *args) -> int:
     except MemoryError as error:  # a count far beyond the machine (--num, --shapes-count, ...)
         print(f'error: out of memory ({brief(error, 200)}): ask for less', file=sys.stderr)
         return 1
+    except RuntimeError as error:
+        if not out_of_memory(error):
+            raise  # a bug: the traceback is the useful report
+        print(f'error: out of memory ({brief(error, 200)}): ask for less (a smaller model, batch or --num)',
+              file=sys.stderr)
+        return 1
     except Exception as error:
         code = getattr(error, 'exit_code', None)
         if code is None:
@@ -169,6 +176,13 @@ def run_main(main, *args) -> int:
         print(f'error: {last_line(error)}', file=sys.stderr)
         return code
     return 0
+
+
+def out_of_memory(error: RuntimeError) -> bool:
+    """torch's allocators raise RuntimeError, not MemoryError: the CPU's "DefaultCPUAllocator: can't
+    allocate memory", CUDA's torch.OutOfMemoryError ("CUDA out of memory")."""
+    text = str(error)
+    return type(error).__name__ == 'OutOfMemoryError' or "can't allocate memory" in text or 'out of memory' in text
 
 
 def last_line(error: Exception) -> str:

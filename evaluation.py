@@ -120,6 +120,7 @@ def reference_statistics(name: str, data_dir: str, image_size: int, extractor, b
 DIGITS_CLASSIFIER_VERSION = 1  # part of the cache key: a change to the network or its training retrains it
 DIGITS_TRAINING = {'epochs': 20, 'batch_size': 64, 'lr': 2e-3, 'seed': 0, 'resolution': 16}
 CONFIDENT = 0.9  # a sample labelled with at least this probability counts as a recognisable digit
+COPY_QUANTILE = 0.01  # a near copy: closer to a training digit than the closest 1% of unseen real digits
 
 
 class DigitsClassifier(torch.nn.Module):
@@ -235,7 +236,9 @@ class DigitsJudge:
                .hexdigest())
         if key not in FLOORS:  # its KID over 450 digits costs a second or more: once per process and classifier
             FLOORS[key] = self.score(self.heldout)
-        self.floor = dict(FLOORS[key])
+        self.training_pixels = images.flatten(1).double() / 255
+        self.calibrate_copies(heldout)
+        self.floor = {**FLOORS[key], **self.memorisation(self.floor_half)}
 
     @torch.no_grad()
     def features(self, images: torch.Tensor) -> np.ndarray:
@@ -255,6 +258,38 @@ class DigitsJudge:
                 'digits_features': f'digits classifier v{DIGITS_CLASSIFIER_VERSION} (64 features, held-out '
                                    f'accuracy {self.accuracy:.4f})'}
 
+
+    def nearest_training_distance(self, images: torch.Tensor) -> np.ndarray:
+        """Each image's distance to its nearest training digit: the root mean square of the pixel
+        differences, grey levels in [0, 1], at the judge's resolution (the training digits resized
+        as the model saw them)."""
+        pixels, reference = images.flatten(1).double() / 255, self.training_pixels
+        if pixels.shape[1] != reference.shape[1]:
+            raise ValueError(f'images of {pixels.shape[1]} pixels; the judge compares {reference.shape[1]}')
+        nearest = []
+        for part in pixels.split(1024):  # |x - r|^2 = |x|^2 - 2 x.r + |r|^2, without an (N, M, D) array
+            squared = (part ** 2).sum(1, keepdim=True) - 2 * part @ reference.T + (reference ** 2).sum(1)
+            nearest.append(squared.min(1).values.clamp_min(0))
+        return (torch.cat(nearest) / reference.shape[1]).sqrt().numpy()
+
+    def calibrate_copies(self, heldout: torch.Tensor):
+        """The memorisation measure's yardstick, from half the held-out digits (a fixed half): how close
+        unseen real digits come to the training set. The other half is the floor."""
+        order = np.random.RandomState(0).permutation(len(heldout))
+        half = len(heldout) // 2
+        calibration = self.nearest_training_distance(heldout[torch.from_numpy(order[:half])])
+        self.copy_distance = float(np.quantile(calibration, COPY_QUANTILE))
+        self.heldout_median_distance = float(np.median(calibration))
+        self.floor_half = heldout[torch.from_numpy(order[half:])]
+
+    def memorisation(self, images: torch.Tensor) -> dict:
+        """Whether samples copy the training digits: the share of samples closer to their nearest
+        training digit than the closest 1% of unseen real digits are (near copies; the other half of the
+        held-out digits: about 1%; the training digits themselves: 100%), and the median distance to the
+        nearest training digit over that of unseen digits (1 for real digits; below 1: closer than they)."""
+        distance = self.nearest_training_distance(images)
+        return {'digits_near_copies': float((distance < self.copy_distance).mean()),
+                'digits_nn_ratio': float(np.median(distance) / self.heldout_median_distance)}
 
     @torch.no_grad()
     def conditioning(self, images: torch.Tensor, asked: torch.Tensor) -> dict:
@@ -513,8 +548,10 @@ class Evaluator:
             row.update(fid=frechet_distance(stats, self.reference), fid_samples=cfg.eval_samples,
                        fid_sampler=f'{cfg.sampler}-{steps}')
         if self.judge is not None:
-            row.update(self.judge.score(self.judge.features(torch.cat(features))),
-                       digits_sampler=f'{cfg.sampler}-{steps}', digits_fd_floor=self.judge.floor['digits_fd'])
+            images = torch.cat(features)
+            row.update(self.judge.score(self.judge.features(images)), **self.judge.memorisation(images),
+                       digits_sampler=f'{cfg.sampler}-{steps}', digits_fd_floor=self.judge.floor['digits_fd'],
+                       digits_near_copies_floor=self.judge.floor['digits_near_copies'])
         row['eval_seconds'] = time.perf_counter() - start
         return row
 
@@ -593,4 +630,10 @@ def digits_summary(score: dict) -> str:
             f"real digits: {floor['digits_fd']:.2f}), KID {score['digits_kid']:.1f} +- {score['digits_kid_std']:.1f} "
             f"(floor {floor['digits_kid']:.1f}); {score['digits_confident']:.1%} labelled with p >= {CONFIDENT} "
             f"(floor {floor['digits_confident']:.1%}); label entropy {score['digits_class_entropy']:.2f} bits "
-            f"(balanced: 3.32); {score['digits_features']}")
+            f"(balanced: 3.32); {score['digits_features']}"
+            + (f"\nmemorisation: {score['digits_near_copies']:.1%} of the samples are nearer a training digit than "
+               f"the closest 1% of unseen real digits (floor, held-out digits: {floor['digits_near_copies']:.1%}; "
+               f"copies: 100%); median distance to the nearest training digit {score['digits_nn_ratio']:.2f}x "
+               f"that of unseen digits (floor {floor['digits_nn_ratio']:.2f}x). A digits FD under its floor with "
+               f"no near copies is a model close to the training digits' statistics, not a copier"
+               if 'digits_near_copies' in score else ''))

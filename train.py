@@ -252,10 +252,12 @@ def model_config_of(cfg: TrainConfig):
 
 def shape_of(cfg: TrainConfig) -> dict:
     """The UNetConfig fields the shape flags set (those given; the others stay the preset's)."""
-    shape = {'base_channels': cfg.base_channels, 'blocks_per_level': cfg.blocks_per_level,
-             'channel_mults': cfg.channel_mults and int_list(cfg.channel_mults, '--channel-mults'),
-             'attn_resolutions': cfg.attn_resolutions and (
-                 () if cfg.attn_resolutions.strip() == 'none' else int_list(cfg.attn_resolutions, '--attn-resolutions'))}
+    shape = {'base_channels': cfg.base_channels, 'blocks_per_level': cfg.blocks_per_level}
+    if cfg.channel_mults is not None:  # '' too: an empty list is refused, not read as "the preset's"
+        shape['channel_mults'] = int_list(cfg.channel_mults, '--channel-mults')
+    if cfg.attn_resolutions is not None:
+        shape['attn_resolutions'] = (() if cfg.attn_resolutions.strip() == 'none' else
+                                     int_list(cfg.attn_resolutions, '--attn-resolutions', 'such as 16,8, or none'))
     return {name: value for name, value in shape.items() if value is not None}
 
 
@@ -611,9 +613,12 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
                     f'{cfg.preset}, --image-size {cfg.image_size} and the shape flags)'):
         config = model_config_of(cfg)
     levels = [config.image_size // 2 ** i for i in range(len(config.channel_mults))]
-    if cfg.attn_resolutions and set(config.attn_resolutions) - set(levels):
-        raise ConfigError(f'--attn-resolutions {cfg.attn_resolutions}: this UNet\'s levels '
-                          f'are at {", ".join(map(str, levels))} pixels; attention elsewhere would never run')
+    nowhere = sorted(set(config.attn_resolutions) - set(levels), reverse=True)
+    if nowhere:  # given or the preset's: one rule, so that no flag silently removes the levels' attention
+        asked = (f'--attn-resolutions {cfg.attn_resolutions}' if cfg.attn_resolutions is not None else
+                 f'the preset\'s attention at {", ".join(map(str, nowhere))} pixels (--preset {cfg.preset})')
+        raise ConfigError(f'{asked}: this UNet\'s levels are at {", ".join(map(str, levels))} pixels; attention '
+                          f'elsewhere would never run: pass --attn-resolutions with some of those, or none')
 
 
 # ----------------------------------------------------------------------------- outputs

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
 import time_to_quality as ttq  # noqa: E402
 import train  # noqa: E402
-from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main  # noqa: E402
 from devices import device_name, pick_device  # noqa: E402
 from files import check_creatable  # noqa: E402
 from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen  # noqa: E402
@@ -70,8 +70,17 @@ def measure(cfg: ArmSpeedConfig):
     stem = cfg.stem or f'{device.type}-digits-{cfg.ladder}-speed'
     check_creatable(cfg.out_dir, '--out-dir')
     common = ttq.base_flags(ladder)
-    got = interleave({arm.name: arm.flags for arm in arms}, common, device, cfg.rounds, cfg.steps, cfg.warmup,
-                     cold=cfg.cold_compile)
+    stop = StopFlag()
+    restore = stop.install()
+    try:  # a stop is heeded after the arm being built or warmed up, or the round under way
+        got = interleave({arm.name: arm.flags for arm in arms}, common, device, cfg.rounds, cfg.steps, cfg.warmup,
+                         cold=cfg.cold_compile, stop=stop)
+    finally:
+        restore()
+    if got is None:
+        print(f'stopped by {stop.reason}: no report written (its rounds would be unfinished); rerun to time them',
+              flush=True)
+        return
     result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': train.check_flags(common).batch_size,
               'arms': summarise(arms, got['img_per_s'], got['warmup_s'], study)}
     report(result, cfg, stem)

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import evaluation  # noqa: E402
 import sample  # noqa: E402
 from checkpoint import read_checkpoint  # noqa: E402
-from cli import ConfigError, check_ranges, flag, parse_config, run_main  # noqa: E402
+from cli import ConfigError, StopFlag, StopRequested, check_ranges, flag, parse_config, run_main  # noqa: E402
 from devices import device_name  # noqa: E402
 from drawing import Sampling, class_labels, draw  # noqa: E402
 from files import check_creatable, check_writable  # noqa: E402
@@ -41,6 +41,9 @@ class GuidanceConfig:
     data_dir: str = flag('./data', 'where the digit classifier is cached')
     out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
     stem: str = flag('cpu-digits-guidance', 'the reports\' file name')
+
+
+FLOOR_SAMPLES = 450  # the held-out digits that set the digits score's floor: only a score of as many compares
 
 
 def parse_scales(text: str) -> list:
@@ -73,15 +76,34 @@ def sweep(args: GuidanceConfig):
     check_writable(args.out_dir, '--out-dir')
     trained = trained_with(args.ckpt)
     asked = class_labels(0, args.num, 10)
-    rows = []
-    for scale in scales:
-        sampling = Sampling(num=args.num, batch_size=args.batch_size, sampler=args.sampler, steps=args.steps,
-                            seed=args.seed, guidance=scale)
-        images = torch.cat(list(draw(model, config, sched, sampling, device, progress=True, prediction=prediction)))
-        rows.append({'scale': scale, **judge.score(judge.features(images)), **judge.conditioning(images, asked)})
-        print(f"guidance {scale:g}: {rows[-1]['accuracy']:.1%} judged as asked, digits FD "
-              f"{rows[-1]['digits_fd']:.2f}", flush=True)
-        report(args, judge, rows, trained)
+    rows, stop = [], StopFlag()
+    restore = stop.install()
+    try:
+        for scale in scales:
+            sampling = Sampling(num=args.num, batch_size=args.batch_size, sampler=args.sampler, steps=args.steps,
+                                seed=args.seed, guidance=scale)
+            try:  # a stop abandons the scale under way: the reports keep the scales done
+                with stop.interruptible():
+                    images = torch.cat(list(draw(model, config, sched, sampling, device, progress=True,
+                                                 prediction=prediction)))
+            except StopRequested:
+                break
+            # The first 450 (45 of each digit) as train.py's evaluations score them: the size of the floor's set.
+            first = images[:FLOOR_SAMPLES]
+            rows.append({'scale': scale, **judge.score(judge.features(images)), **judge.conditioning(images, asked),
+                         'digits_fd_450': judge.score(judge.features(first))['digits_fd'],  # --num is 10 or more
+                         **judge.memorisation(first)})
+            print(f"guidance {scale:g}: {rows[-1]['accuracy']:.1%} judged as asked, digits FD "
+                  f"{rows[-1]['digits_fd']:.2f} ({rows[-1]['digits_fd_450']:.2f} of the first {len(first)}), "
+                  f"near copies {rows[-1]['digits_near_copies']:.1%}", flush=True)
+            report(args, judge, rows, trained)
+            if stop.reason:
+                break
+    finally:
+        restore()
+    if stop.reason:
+        done = ', '.join(f"{r['scale']:g}" for r in rows) or 'none'
+        print(f'stopped by {stop.reason}: the reports in {args.out_dir} hold the scales done ({done})', flush=True)
 
 
 def trained_with(path: str) -> dict | None:
@@ -106,26 +128,39 @@ def report(args: GuidanceConfig, judge, rows: list, trained: dict):
     floor = rows[0]
     result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(args), 'trained': trained,
               'floor': {'accuracy': floor['floor_accuracy'], 'digits_fd': judge.floor['digits_fd'],
+                        'digits_near_copies': judge.floor['digits_near_copies'],
+                        'digits_nn_ratio': judge.floor['digits_nn_ratio'],
                         'per_class_digits_fd': {c: r['floor_digits_fd'] for c, r in floor['per_class'].items()}},
               'rows': rows}
     headers = ['scale', 'judged as asked', 'worst class', 'shuffled labels (control)', 'digits FD (all)',
+               f'digits FD ({FLOOR_SAMPLES})', f'near copies ({FLOOR_SAMPLES})', 'NN distance / unseen digits\'',
                'per-class FD, mean', 'confident']
     table = markdown_table(headers, [
         [f"{r['scale']:g}", f"{r['accuracy']:.1%}", f"{min(c['accuracy'] for c in r['per_class'].values()):.1%}",
          f"{r['shuffled_labels_accuracy']:.1%}", f"{r['digits_fd']:.2f}",
+         f"{r['digits_fd_450']:.2f}", f"{r['digits_near_copies']:.1%}",
+         f"{r['digits_nn_ratio']:.2f}",
          f"{sum(c['digits_fd'] for c in r['per_class'].values()) / len(r['per_class']):.1f}",
          f"{r['digits_confident']:.1%}"] for r in rows] + [[
             'real held-out digits (floor)', f"{floor['floor_accuracy']:.1%}",
-            f"{min(c['floor_accuracy'] for c in floor['per_class'].values()):.1%}", '',
-            f"{judge.floor['digits_fd']:.2f}",
+            f"{min(c['floor_accuracy'] for c in floor['per_class'].values()):.1%}", '', '',
+            f"{judge.floor['digits_fd']:.2f}", f"{judge.floor['digits_near_copies']:.1%} (225)",
+            f"{judge.floor['digits_nn_ratio']:.2f} (225)",
             f"{sum(c['floor_digits_fd'] for c in floor['per_class'].values()) / len(floor['per_class']):.1f}",
-            f"{judge.floor['digits_confident']:.1%}"]])
+            f"{judge.floor['digits_confident']:.1%}"], [
+            'training digits (control: copies)', '', '', '', '', '', '100.0%', '0.00', '', '']])
     write_report(args.out_dir, args.stem, result, f'Classifier-free guidance of {args.ckpt}', table,
                  notes=f'; {args.num} EMA samples per scale ({args.sampler}, {args.steps} calls, seed {args.seed}), '
                        f'digit i mod 10 asked of image i; judged by the digits classifier (held-out accuracy '
                        f'{judge.accuracy:.4f}); per-class FD against the training digits of that class, its floor '
                        f'the 45 held-out digits of the class; FD falls with the number of samples, so only a score '
-                       f'of 450 samples compares with the floors (450 held-out digits, 45 a class)' + (
+                       f'of 450 samples compares with the floors (450 held-out digits, 45 a class): the first 450 '
+                       f'samples\' is given beside it. Near copies: the share of those 450 nearer (pixel RMS) a '
+                       f'training digit than the closest 1% of unseen real digits are (calibrated on half the '
+                       f'held-out digits, the floor the other half; training digits themselves: 100%); NN distance: '
+                       f'their median distance to the nearest training digit over unseen digits\'. A score under '
+                       f'the floor with no more near copies than the floor is a model close to the training '
+                       f'digits\' statistics, not a copier' + (
                            f'. The checkpoint (sha256 {trained["sha256"][:12]}, {trained["images"]:,} images): '
                            f'`{train_command(trained)}`' if trained else ''))
     plot(rows, judge, floor, os.path.join(args.out_dir, f'{args.stem}.png'))

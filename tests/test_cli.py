@@ -4,6 +4,7 @@ import os
 import re
 
 import pytest
+import torch
 
 import benchmark
 import cli
@@ -107,6 +108,14 @@ class Broken(Exception):
     (KeyboardInterrupt(), 130, 'aborted by Ctrl-C (files are written whole or not at all)'),
     (MemoryError('Unable to allocate 6.98 TiB'), 1, 'error: out of memory (MemoryError: Unable to allocate 6.98 TiB): '
                                                    'ask for less'),
+    # torch's allocators raise RuntimeError, not MemoryError (the CPU's, as --base-channels 100000 met it; CUDA's)
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+                  "tried to allocate 160000000000 bytes."), 1,
+     "error: out of memory (RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+     "allocate memory: you tried to allocate 160000000000 bytes.): ask for less (a smaller model, batch or --num)"),
+    (torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB'), 1,
+     'error: out of memory (OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB): ask for less (a '
+     'smaller model, batch or --num)'),
 ])
 def test_errors_become_one_line_and_their_exit_code(capsys, error, code, line):
     def main():
@@ -120,6 +129,8 @@ def test_a_bug_keeps_its_traceback():
         raise ZeroDivisionError('a bug')
     with pytest.raises(ZeroDivisionError):
         cli.run_main(main)
+    with pytest.raises(RuntimeError):  # a RuntimeError that is not memory running out is a bug too
+        cli.run_main(lambda: torch.zeros(2, 3) @ torch.zeros(2, 3))
     assert cli.run_main(lambda: None) == 0
 
 

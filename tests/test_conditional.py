@@ -4,6 +4,8 @@ sampling to order, and the digits judge of conditioning (its floor and a control
 The network against diffusers' UNet2DModel(num_class_embeds) is in test_reference_unet.py."""
 import os
 import pickle
+import signal
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -294,7 +296,24 @@ def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkp
     for row in result['rows']:  # 20 samples, two of each digit
         assert [c['samples'] for c in row['per_class'].values()] == [2] * 10
         assert row['accuracy'] == sum(c['accuracy'] * 2 for c in row['per_class'].values()) / 20
+        assert 0 <= row['digits_near_copies'] <= 1 and row['digits_fd_450'] == row['digits_fd']  # 20 < 450: all
     trained = result['trained']
     assert trained['steps'] == 2 and trained['images'] == 32 and trained['flags']['class_cond'] is True
     assert '`python train.py --batch-size 16 --class-cond' in (out / 'cpu-digits-guidance.md').read_text()
     assert (out / 'cpu-digits-guidance.png').stat().st_size > 0
+    # SIGTERM while the second scale draws: exit 0, the first scale's reports written, the second's abandoned.
+    real_draw = guidance_sweep.draw
+
+    def draw_then_stop(model, config, sched, sampling, *args, **kwargs):
+        if sampling.guidance == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield from real_draw(model, config, sched, sampling, *args, **kwargs)
+    stopped = tmp_path / 'stopped'
+    capsys.readouterr()
+    with mock.patch.object(guidance_sweep, 'draw', draw_then_stop):
+        assert guidance_sweep.main([*sweep[:-1], str(stopped), '--scales', '0,2,3']) == 0
+    assert 'stopped by SIGTERM: the reports in' in capsys.readouterr().out
+    assert [r['scale'] for r in json.loads((stopped / 'cpu-digits-guidance.json').read_text())['rows']] == [0]
+    assert (stopped / 'cpu-digits-guidance.png').stat().st_size > 0
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or not isinstance(
+        signal.getsignal(signal.SIGTERM), guidance_sweep.StopFlag)  # the handlers put back

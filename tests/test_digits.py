@@ -169,7 +169,7 @@ def test_the_floor_and_far_worse_scores_for_noise_and_broken_digits(judge):
     assert np.allclose(judge.reference_stats['mu'], reference.mean(0), rtol=0, atol=1e-12)
     assert np.allclose(judge.reference_stats['sigma'], np.cov(reference.T), rtol=0, atol=1e-9)
     floor = judge.score(judge.features(held))
-    assert floor == judge.floor
+    assert {**floor, **judge.memorisation(judge.floor_half)} == judge.floor
     assert floor['digits_fd'] < 15 and abs(floor['digits_kid']) < 3 * floor['digits_kid_std'] + 1e3
     assert floor['digits_confident'] > 0.9 and floor['digits_class_entropy'] > 3.3
     generator = torch.Generator().manual_seed(0)
@@ -215,6 +215,35 @@ def test_the_score_ignores_the_order_of_samples_and_is_reproducible(judge, tmp_p
     assert judge.score(features) == first  # and again: nothing drawn at random without its seed
 
 
+def test_nearest_training_distance_is_the_brute_force_one(judge):
+    generator = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (7, 1, 16, 16), dtype=torch.uint8, generator=generator)
+    images[3] = digits(False)[0][100]  # one exact training digit: distance 0
+    train = digits(False)[0].flatten(1).double() / 255
+    by_hand = [min(((image.flatten().double() / 255 - t) ** 2).mean().sqrt().item() for t in train) for image in images]
+    assert judge.nearest_training_distance(images) == pytest.approx(by_hand, rel=1e-9, abs=1e-6)
+    assert judge.nearest_training_distance(images)[3] == pytest.approx(0, abs=1e-6)
+
+
+def test_memorisation_flags_copies_not_unseen_digits_nor_noise_and_grows_with_the_copies(judge):
+    # Its floor, the held-out half it was not calibrated on, near 1% by construction; the training digits
+    # themselves, all flagged; noise, none, far from every digit; a growing share of copies among unseen
+    # digits, strictly more flagged; blind to the order of the samples.
+    floor = judge.floor
+    assert floor['digits_near_copies'] <= 0.04 and 0.9 < floor['digits_nn_ratio'] < 1.1
+    training = digits(False)[0]
+    copies = judge.memorisation(training[:450])
+    assert copies == {'digits_near_copies': 1.0, 'digits_nn_ratio': pytest.approx(0, abs=1e-3)}
+    noise = torch.randint(0, 256, (450, 1, 16, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert judge.memorisation(noise)['digits_near_copies'] == 0 and judge.memorisation(noise)['digits_nn_ratio'] > 2
+    unseen = judge.floor_half
+    shares = [judge.memorisation(torch.cat([training[:k], unseen[k:]]))['digits_near_copies'] for k in (0, 20, 60, 120)]
+    assert all(a < b for a, b in zip(shares, shares[1:])), shares
+    mixed = torch.cat([training[:60], unseen[60:]])
+    order = torch.randperm(len(mixed), generator=torch.Generator().manual_seed(1))
+    assert judge.memorisation(mixed[order]) == judge.memorisation(mixed)
+
+
 def test_kid_is_the_unbiased_mmd_with_the_cubic_kernel(judge):
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(40, 6, generator=generator, dtype=torch.float64).numpy()
@@ -257,7 +286,9 @@ def test_sample_py_writes_grey_images_and_reports_the_digits_score(digits_ckpt, 
         assert image.mode == 'L' and image.size == (8, 8)
     score = result['digits']
     assert 'fid' not in result and score['digits_samples'] == 6 and score['floor']['digits_fd'] < 15
-    assert 'digit classifier' in capsys.readouterr().out and 'accuracy' in score['digits_features']
+    out = capsys.readouterr().out
+    assert 'digit classifier' in out and 'accuracy' in score['digits_features']
+    assert 'memorisation:' in out and 'digits_near_copies' in score and 'digits_near_copies' in score['floor']
     # The score of the files on disk, as any other tool would read them.
     images = torch.stack([torch.from_numpy(np.array(Image.open(tmp_path / 'png' / f'{i:06d}.png')))[None]
                           for i in range(6)])
@@ -294,6 +325,8 @@ def test_eval_every_on_digits_logs_the_digits_score_never_as_fid(tmp_path, digit
     for row in evals:
         assert 'fid' not in row and row['digits_samples'] == 8 and 'digit' in row['digits_features']
         assert row['digits_fd'] > row['digits_fd_floor'] and row['bpd_images'] == 450
+        assert 0 <= row['digits_near_copies'] <= 1 and row['digits_nn_ratio'] > 0
+        assert row['digits_near_copies_floor'] <= 0.04
     assert (tmp_path / 'run' / 'curves.png').stat().st_size > 0
 
 

@@ -147,6 +147,31 @@ def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_pa
     assert set(result['arms']['baseline']) >= {'warmup_s', 'pays_back'} and 'decision' not in result['arms']['baseline']
 
 
+def test_arm_speed_stops_on_one_ctrl_c_after_the_round_under_way_with_exit_0(monkeypatch, tmp_path, capsys):
+    import os
+    import signal
+    import types
+
+    import arm_speed
+    import ladder_speed
+    rounds = []
+    monkeypatch.setattr(ladder_speed, 'build', lambda flags, *args: (
+        types.SimpleNamespace(cfg=types.SimpleNamespace(batch_size=32)), None))
+    monkeypatch.setattr(ladder_speed.data, 'load_dataset', lambda *args, **kwargs: None)
+
+    def fake_timed(run, batches, first, steps):
+        rounds.append(first)
+        if len(rounds) == 3:  # in the first round, after both warm-ups
+            os.kill(os.getpid(), signal.SIGINT)
+        return 100.0
+    monkeypatch.setattr(ladder_speed, 'timed', fake_timed)
+    assert arm_speed.main(['--ladder', 'shape', '--arms', 'width 8', '--rounds', '5', '--steps', '2', '--warmup', '1',
+                           '--out-dir', str(tmp_path), '--stem', 's']) == 0
+    assert len(rounds) == 4  # the round under way finished, no other began
+    assert 'stopped by SIGINT: no report written' in capsys.readouterr().out
+    assert not (tmp_path / 's.json').exists() and not (tmp_path / 's.md').exists()
+
+
 def test_arm_speed_keeps_a_faster_arm_on_five_rounds_and_counts_its_warm_up_back_by_hand():
     import arm_speed
     rates = {'baseline': [100.0, 90, 110, 95, 105], 'fast': [120.0, 100, 125, 110, 118],

@@ -103,6 +103,33 @@ def test_attention_runs_on_the_fused_kernel_in_both_layouts(heads, memory_format
     assert fused.is_contiguous(memory_format=memory_format) and all(layouts)
 
 
+@pytest.mark.parametrize('heads', [1, 2])
+@pytest.mark.parametrize('memory_format', [torch.contiguous_format, torch.channels_last])
+def test_attention_output_reaches_the_residual_add_as_a_view_of_the_projection(heads, memory_format):
+    # The token-layout rewrite removed a copy back to NCHW after the projection; the GPU step's speed
+    # depends on it staying gone. Every aten op the block runs is recorded: after the projection's
+    # matmul only views and the residual add may follow, never a clone or copy (a .contiguous()).
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+    block = _perturbed(AttnBlock(32, heads, 8, 'sdpa')).eval()
+    x = torch.randn(2, 32, 8, 8).contiguous(memory_format=memory_format)
+    with torch.no_grad(), Ops() as ops:
+        out = block(x)
+    last_matmul = max(i for i, name in enumerate(ops.names) if name in ('addmm', 'mm', 'bmm', 'matmul', 'linear'))
+    after = ops.names[last_matmul + 1:]
+    views = {'view', 'transpose', 'unflatten', 'permute', '_unsafe_view', 'as_strided', 'alias', 'expand'}
+    assert set(after) - views == {'add'} and after.count('add') == 1, after
+    assert torch.allclose(out.double(), _attention_by_hand(block, x), atol=1e-5)
+
+
 def test_attention_changes_output_when_perturbed():
     # Guards the test above: the attention block must contribute to the output.
     torch.manual_seed(0)

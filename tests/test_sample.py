@@ -210,6 +210,7 @@ def test_diffusers_folder_errors(tmp_path, capsys):
     (['--bpd', '--bpd-timesteps', '1000'], '--bpd-timesteps must be in [0, 999]'),
     (['--inception-weights', '/nonexistent.pth', '--fid'], 'no such file'),
     (['--sampler', 'euler'], 'invalid choice'),
+    (['--sampler', 'ddpm', '--steps', '5'], '--steps 5: --sampler ddpm is the ancestral sampler of all T=1000 steps'),
 ])
 def test_bad_flags_fail_before_sampling(ckpt, tmp_path, capsys, extra, expected):
     code, err = refusal(capsys, sample.cli, ['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'out'),

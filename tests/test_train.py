@@ -389,6 +389,11 @@ def _stderr_line(capsys):
     (['--channel-mults', '1,,2'], "--channel-mults '1,,2': give positive whole numbers"),
     (['--channel-mults', '1,0'], "--channel-mults '1,0': give positive whole numbers"),
     (['--attn-resolutions', 'x'], "--attn-resolutions 'x': give positive whole numbers"),
+    (['--channel-mults='], "--channel-mults '': give positive whole numbers"),  # not "the preset's"
+    (['--attn-resolutions='], "--attn-resolutions '': give positive whole numbers separated by commas, such as "
+                              "16,8, or none"),
+    (['--channel-mults', '1'], "the preset's attention at 8 pixels (--preset tiny): this UNet's levels are at 16 "
+                               "pixels"),  # the same rule as a given --attn-resolutions
     (['--attn-resolutions', '5'], "--attn-resolutions 5: this UNet's levels are at 16, 8, 4 pixels"),
     (['--channel-mults', '1,2', '--attn-resolutions', '4'], "levels are at 16, 8 pixels"),
     (['--base-channels', '12'], '12 channels are not divisible by norm_groups=8'),
