@@ -1,4 +1,4 @@
-"""scripts/ladder_stats.py: the time-to-quality ladder's keep rule on hand-computed gains, its
+"""time_to_quality/stats.py: the time-to-quality ladder's keep rule on hand-computed gains, its
 false-keep rate (levers of pure noise, simulated) and power (a real gain), and the judgement of a
 quality lever on images, which the machine's speed cannot move."""
 import math
@@ -7,7 +7,7 @@ import statistics
 
 import pytest
 
-import ladder_stats as stats
+from time_to_quality import stats
 
 T4 = 2.776445105  # t(0.975) with 4 degrees of freedom
 
@@ -112,8 +112,8 @@ def test_arm_speed_times_the_arms_in_turn_in_a_rotated_order(monkeypatch, tmp_pa
 
     import types
 
-    import arm_speed
-    import ladder_speed
+    from time_to_quality import arm_speed
+    from time_to_quality import speed as ladder_speed
     timed = []
 
     def fake_build(flags, *args):  # the arm told by its flags, as the measurement builds it
@@ -152,8 +152,8 @@ def test_arm_speed_stops_on_one_ctrl_c_after_the_round_under_way_with_exit_0(mon
     import signal
     import types
 
-    import arm_speed
-    import ladder_speed
+    from time_to_quality import arm_speed
+    from time_to_quality import speed as ladder_speed
     rounds = []
     monkeypatch.setattr(ladder_speed, 'build', lambda flags, *args: (
         types.SimpleNamespace(cfg=types.SimpleNamespace(batch_size=32)), None))
@@ -173,7 +173,7 @@ def test_arm_speed_stops_on_one_ctrl_c_after_the_round_under_way_with_exit_0(mon
 
 
 def test_arm_speed_keeps_a_faster_arm_on_five_rounds_and_counts_its_warm_up_back_by_hand():
-    import arm_speed
+    from time_to_quality import arm_speed
     rates = {'baseline': [100.0, 90, 110, 95, 105], 'fast': [120.0, 100, 125, 110, 118],
              'same': [101.0, 91, 109, 94, 104]}
     arms = [arm_speed.Arm(name, '') for name in rates]
@@ -189,7 +189,7 @@ def test_arm_speed_keeps_a_faster_arm_on_five_rounds_and_counts_its_warm_up_back
 
 
 def test_arm_speed_turns_a_studys_images_into_minutes_seed_by_seed():
-    import arm_speed
+    from time_to_quality import arm_speed
     study = {'targets': {'target': 10.0},
              'runs': {'baseline': [dict(run(n), run={'seed': s}) for s, n in enumerate((100_000, 120_000, 90_000))],
                       'width 8': [dict(run(n), run={'seed': s}) for s, n in enumerate((110_000, 150_000, 99_000))]}}
@@ -204,7 +204,7 @@ def test_arm_speed_turns_a_studys_images_into_minutes_seed_by_seed():
 
 
 def test_arm_speed_refuses_a_bad_study_and_an_unknown_arm_in_one_line(tmp_path, capsys):
-    import arm_speed
+    from time_to_quality import arm_speed
     from helpers import refusal
     (tmp_path / 'bad.json').write_text('{"runs": 1}')
     code, err = refusal(capsys, arm_speed.main, ['--study', str(tmp_path / 'bad.json'), '--out-dir', str(tmp_path)])

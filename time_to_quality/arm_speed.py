@@ -8,27 +8,26 @@ has paid back the extra warm-up. With
 --study (a side-by-side ladder's JSON: --ladder shape), the minutes to its target follow as that
 study's images to the target over these img/s, seed by seed.
 
-    python scripts/arm_speed.py --ladder shape --study results/cpu-digits-shape-study.json
-    python scripts/arm_speed.py --ladder speed --arms '+ channels-last,+ fused Adam'
+    python -m time_to_quality.arm_speed --ladder shape --study results/cpu-digits-shape-study.json
+    python -m time_to_quality.arm_speed --ladder speed --arms '+ channels-last,+ fused Adam'
 """
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
-import time_to_quality as ttq  # noqa: E402
-import train  # noqa: E402
-from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main  # noqa: E402
-from devices import device_name, pick_device  # noqa: E402
-from files import check_creatable  # noqa: E402
-from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen  # noqa: E402
-from ladder_speed import interleave  # noqa: E402
-from ladder_stats import images_to, interval, keep_rule, t_quantile  # noqa: E402
-from reports import markdown_table, provenance, write_report  # noqa: E402
+import train
+from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
+from devices import device_name, pick_device
+from files import check_creatable
+from reports import markdown_table, provenance, write_report
+
+from .arms import BASELINE, BASELINE_ARM, STUDIES, Arm, chosen
+from .ladder import LadderConfig, check_names, speed_levers
+from .runs import base_flags
+from .speed import interleave
+from .stats import images_to, interval, keep_rule, t_quantile
 
 
 @dataclass
@@ -44,7 +43,7 @@ class ArmSpeedConfig:
                        at_least=1)
     cold_compile: bool = flag(True, "compile into an empty Inductor cache, as a first run on a machine does "
                                     "(--no-cold-compile: the cache as found)")
-    study: str = flag('', 'a side-by-side ladder\'s JSON (time_to_quality.py --ladder shape): minutes to its '
+    study: str = flag('', 'a side-by-side ladder\'s JSON (python -m time_to_quality --ladder shape): minutes to its '
                           'target from its images and these img/s')
     device: str = flag('cpu', 'cpu, cuda or cuda:N')
     data_dir: str = flag('./data', 'the data (digits: the classifier\'s cache only)')
@@ -55,21 +54,21 @@ class ArmSpeedConfig:
 def arms_of(cfg: ArmSpeedConfig, ladder) -> list:
     if cfg.ladder in STUDIES:  # the baseline always: every ratio is to it
         return [BASELINE_ARM] + chosen(ladder, STUDIES[cfg.ladder]()[1:])
-    levers = [lv for lv in ttq.speed_levers(pick_device(cfg.device), ladder) if lv.judged_by == 'speed']
+    levers = [lv for lv in speed_levers(pick_device(cfg.device), ladder) if lv.judged_by == 'speed']
     return [BASELINE_ARM] + [Arm(lv.name, lv.changes, BASELINE + lv.flags) for lv in levers] + [
         Arm('defaults', "train.py's own defaults on this device (no speed flag given)", [])]
 
 
 def measure(cfg: ArmSpeedConfig):
     check_ranges(cfg)
-    ladder = ttq.LadderConfig(ladder=cfg.ladder if cfg.ladder in STUDIES else 'speed', arms=cfg.arms,
-                              device=cfg.device, data_dir=cfg.data_dir)
-    ttq.check_names(ladder)
+    ladder = LadderConfig(ladder=cfg.ladder if cfg.ladder in STUDIES else 'speed', arms=cfg.arms,
+                          device=cfg.device, data_dir=cfg.data_dir)
+    check_names(ladder)
     study = read_study(cfg.study) if cfg.study else None
     device, arms = pick_device(cfg.device), arms_of(cfg, ladder)
     stem = cfg.stem or f'{device.type}-digits-{cfg.ladder}-speed'
     check_creatable(cfg.out_dir, '--out-dir')
-    common = ttq.base_flags(ladder)
+    common = base_flags(ladder)
     stop = StopFlag()
     restore = stop.install()
     try:  # a stop is heeded after the arm being built or warmed up, or the round under way
@@ -89,7 +88,7 @@ def measure(cfg: ArmSpeedConfig):
 def summarise(arms: list, rates: dict, warmup_s: dict, study: dict | None) -> dict:
     """Per arm: its img/s per round, median and 95% interval; its ratio to the baseline round by round
     (geometric mean, 95% t-interval of the log ratios) and the keep rule's decision on the log ratios
-    (ladder_stats.keep_rule, each round a pair); its warm-up seconds and, when it is faster and warms up
+    (stats.keep_rule, each round a pair); its warm-up seconds and, when it is faster and warms up
     slower, the images it needs to pay that back (pays_back); with a study, its minutes to the target seed by
     seed (images / median img/s) and the baseline's minutes over its, with an interval that adds the
     variances of the log images ratio (over seeds) and of the log speed ratio (over rounds)."""

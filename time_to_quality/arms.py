@@ -1,4 +1,4 @@
-"""The arms of the time-to-quality ladder (scripts/time_to_quality.py) as data: the baseline, each
+"""The arms of the time-to-quality ladder as data: the baseline, each
 lever with the train.py flags it adds and what judges it, diffusers' recipe over its grid, and the
 prediction study's arms. Nothing here trains; `preset` is the TrainConfig that train.py resolves the
 ladder's common flags to (its batch, lr and warm-up)."""
@@ -14,7 +14,7 @@ class Arm:
     recipe: bool = False  # diffusers' training example instead of train.py
 
 
-# What judges a lever (ladder_stats.paired_gain): 'speed', img/s over the planned run, from short runs;
+# What judges a lever (stats.paired_gain): 'speed', img/s over the planned run, from short runs;
 # 'images', images to the target (it leaves the step's work unchanged, so that the machine's speed cannot
 # decide it); 'minutes', training minutes to the target (images / img/s: it changes the step's work too).
 JUDGES = ('speed', 'images', 'minutes')
@@ -104,7 +104,7 @@ def shape_arms() -> list:
     """The tiny preset's shape (base 16 channels, multipliers 1,2,2, one block per level, attention at 8x8)
     against narrower, wider and deeper, without attention, with two levels, and narrow with twice the peak lr: each
     at the baseline's settings otherwise. Each changes the step's work: judged on images to the target,
-    and on minutes through img/s measured interleaved in one process (scripts/arm_speed.py)."""
+    and on minutes through img/s measured interleaved in one process (arm_speed.py)."""
     return [BASELINE_ARM,
             Arm('width 8', 'base channels 8 (the preset: 16)', BASELINE + ['--base-channels', '8']),
             Arm('width 32', 'base channels 32', BASELINE + ['--base-channels', '32']),

@@ -1,6 +1,6 @@
-"""The time-to-quality ladder's folders and finished curves (scripts/time_to_quality.py): what identifies
+"""The time-to-quality ladder's folders and finished curves: what identifies
 a ladder, its runs folder (claimed by one ladder at a time), a curve's seal (its digest) and the values
-no run could have written. The reuse rule that applies them is time_to_quality.reuse_or_refuse."""
+no run could have written. The reuse rule that applies them is ladder.reuse_or_refuse."""
 import hashlib
 import json
 import math

@@ -1,40 +1,7 @@
-"""Time to quality: training minutes until samples reach a score, for the paper's recipe as train.py
-runs it, for each lever added on top of it, and for diffusers' training recipe on the same images, in
-one ladder. Every run is scored every --eval-every images and ends when its score reaches --target
-(12.3 for digits); the clock counts training alone (the first, compiling step included).
-
-The ladder, in the order it runs (each step a part that `--train` can run alone, once those above it
-are finished):
-  baseline    the paper's recipe, --seeds seeds (the headline's reference);
-  speed       levers of the step's speed, each on the levers kept so far, timed against the arm below
-              interleaved in one process (--speed-rounds rounds, each a pair), judged by img/s over
-              the planned run;
-  quality     levers of the images needed, each on the levers kept so far, --lever-seeds seeds paired
-              with the arm below, judged by the images to --target (by the minutes when the lever
-              changes the step's work);
-  fastest     the arm with every kept lever (the headline) to --seeds seeds;
-  peer        diffusers' recipe: its lr over a grid at its batch and at ours (one seed each at
-              --screen-images), then the best variant at --seeds seeds.
-The keep rule (ladder_stats.keep_rule): a lever passes the screen when its mean paired gain over its
---lever-seeds pairs is above zero, and is kept when the 95% t-interval of its mean gain over --seeds
-pairs (the screen's and more, run in its part) lies above zero: at most 2.5% of levers of no effect
-are kept. The arms are data (ladder_arms.py), the statistics ladder_stats.py, the report
-ladder_report.py (which also recomputes it from the finished curves alone), the diffusers arm
-ladder_recipe.py, the worker processes ladder_workers.py, the speed timing ladder_speed.py.
-
-    python scripts/time_to_quality.py                          # the CPU ladder on digits (hours; in parts)
-    python scripts/time_to_quality.py --train baseline         # one part; the others' finished runs are read
-    python scripts/time_to_quality.py --ladder prediction --seeds 3   # v-prediction and Min-SNR, side by side
-    python scripts/time_to_quality.py --dataset cifar10 --preset ddpm-cifar10 --device cuda \\
-        --images 20000000 --eval-every 2000000 --eval-samples 10000 --target 5   # FID on a GPU
-
-Each finished run's curve is OUT_DIR/STEM-runs/<arm>-<images>-seed<k>.json (commit it: a ladder on
-another machine continues from these); RUNS_DIR holds the runs in progress. A finished curve is reused
-or refused by one rule (reuse_or_refuse), never trained again unless --retrain names it; one recorded
-before curves held their code's hash makes reports only, and a command that trains refuses it. The report,
-OUT_DIR/STEM.{json,md,png}, is written by every command that gets past the baseline; until the last
-part has run it holds the finished parts and says so on its first line.
-"""
+"""The time-to-quality ladder's runner (`python -m time_to_quality`; what the ladder is: the package's
+docstring, its --help): its flags (LadderConfig), the code a curve records and the one rule that reuses
+or refuses a finished curve, the runs read back or trained (Ladder), the parts in order (climb, or
+side_by_side for a study), every check before any run, and main."""
 import dataclasses
 import functools
 import hashlib
@@ -43,27 +10,26 @@ import json
 import math
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import evaluation  # noqa: E402
-import ladder_arms  # noqa: E402
-import ladder_speed  # noqa: E402
-import train  # noqa: E402
-from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, check_ranges, flag,  # noqa: E402
-                 parse_config, run_main)
-from devices import cpu_has_native_bf16, device_name, pick_device  # noqa: E402
-from diffusers_io import diffusers_missing_reason  # noqa: E402
-from files import atomic_open, check_creatable, check_writable, folder_in_use  # noqa: E402
-from ladder_arms import BASELINE, BASELINE_ARM, STUDIES, Arm, Lever, chosen, decay_plan, slug  # noqa: E402
-from ladder_curves import (check_runs_dir, claim_runs_dir, impossible, ladder_identity, sealed,  # noqa: E402
-                           stop_index)
-from ladder_recipe import recipe_arm, recipe_settings  # noqa: E402
-from ladder_report import record, report, stem_of  # noqa: E402
-from ladder_stats import paired_gain, score_at, screen_score  # noqa: E402
-from ladder_workers import run_processes  # noqa: E402
-from reports import git_commit  # noqa: E402
+import evaluation
+import time_to_quality
+import train
+from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, check_ranges, flag, parse_config,
+                 run_main)
+from devices import cpu_has_native_bf16, device_name, pick_device
+from files import atomic_open, check_creatable, check_writable, folder_in_use
+from peers import diffusers_missing_reason
+from reports import git_commit
+
+from . import arms, speed
+from .arms import BASELINE, BASELINE_ARM, STUDIES, Arm, Lever, chosen, decay_plan, slug
+from .curves import check_runs_dir, claim_runs_dir, impossible, ladder_identity, sealed, stop_index
+from .recipe import recipe_arm, recipe_settings
+from .report import record, report, stem_of
+from .runs import Job, RunFailed, base_flags, curve_path, curves_dir, run_flags, train_arm
+from .stats import paired_gain, score_at, screen_score
+from .workers import run_processes
 
 PARTS = ('baseline', 'speed', 'quality', 'fastest', 'peer')
 
@@ -128,86 +94,14 @@ def ours(cfg: LadderConfig) -> train.TrainConfig:
 
 
 def speed_levers(device, cfg: LadderConfig) -> list:
-    """The ladder's levers (ladder_arms.levers, as --arms chooses): bf16 where the device runs it natively,
+    """The ladder's levers (arms.levers, as --arms chooses): bf16 where the device runs it natively,
     or where --arms names it (its finished runs are then read back; training it is refused without it)."""
     bf16 = device.type == 'cuda' or cpu_has_native_bf16() or '+ bf16' in names_in(cfg.arms, '--arms')
-    return chosen(cfg, ladder_arms.levers(cfg, ours(cfg), bf16))
+    return chosen(cfg, arms.levers(cfg, ours(cfg), bf16))
 
 
 def recipe_variants(cfg: LadderConfig) -> list:
-    return ladder_arms.recipe_variants(cfg, ours(cfg))
-
-
-# ----------------------------------------------------------------------------- one run
-
-def base_flags(cfg: LadderConfig) -> list:
-    return ['--dataset', cfg.dataset, '--preset', cfg.preset, '--image-size', str(cfg.image_size),
-            '--device', cfg.device, '--data-dir', cfg.data_dir, '--eval-every', str(cfg.eval_every),
-            '--eval-samples', str(cfg.eval_samples), '--eval-bpd-images', '50', '--eval-bpd-timesteps', '4',
-            '--sampler', cfg.sampler, '--sample-steps', str(cfg.sample_steps), '--sample-every', '0',
-            '--log-every', '100', '--eval-noise', 'fresh']
-
-
-def run_flags(cfg: LadderConfig, job, folder: str) -> tuple:
-    """train.py's flags of one run (the budget, the stop at the target, the evaluations, the outputs,
-    the arm's) and the config train.py resolves them to."""
-    batch = train.check_flags(base_flags(cfg) + job.arm.flags).batch_size
-    flags = base_flags(cfg) + ['--steps', str(math.ceil(job.images / batch)), '--seed', str(job.seed),
-                               '--out-dir', folder, *(['--stop-at-score', str(job.target)] if job.target else []),
-                               *job.arm.flags]
-    return flags, train.check_flags(flags)
-
-
-@dataclass(frozen=True)
-class Job:
-    arm: Arm
-    seed: int
-    images: int  # planned
-    target: float | None  # where it stops (None: it runs its whole budget)
-
-    @property
-    def name(self) -> str:
-        return f'{slug(self.arm.name)}-{self.images}{"-screen" if self.target is None else ""}-seed{self.seed}'
-
-    def identity(self) -> dict:
-        return {'arm': {'name': self.arm.name, 'flags': self.arm.flags, 'recipe': self.arm.recipe},
-                'seed': self.seed, 'images': self.images, 'stop_at': self.target}
-
-    def __hash__(self):
-        return hash(self.name)
-
-
-def train_arm(job: Job, cfg: LadderConfig, folder: str) -> dict | None:
-    """One train.py run; its curve, or None when a signal stopped it."""
-    flags, run_cfg = run_flags(cfg, job, folder)
-    if train.cli(flags) != 0:
-        raise RunFailed(f'{job.arm.name}, seed {job.seed}: train.py failed (its error is above)')
-    if not os.path.isfile(os.path.join(folder, 'metrics.jsonl')):
-        return None  # stopped in its start-up: nothing trained
-    with open(os.path.join(folder, 'metrics.jsonl')) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    done = [r for r in rows if r.get('kind') == 'done']
-    if not done:
-        return None
-    if len(done) > 1 or rows[-1] is not done[0]:  # never report a run two processes wrote
-        raise RunFailed(f'{folder}/metrics.jsonl holds rows of more than one process: remove {folder} and rerun')
-    first_step = sum(r.get('first_step_s') or 0 for r in rows if r.get('kind') == 'train')  # each process's first
-    key, evals = evaluation.score_key(cfg.dataset), {}
-    for r in rows:
-        if r.get('kind') == 'eval':
-            evals[r['images_seen']] = r  # the last of each
-    curve = [{'images': n, 'score': r[key], 'minutes': (60 * r['train_hours'] + first_step / 60),
-              'eval_seconds': r['eval_seconds']} for n, r in sorted(evals.items())]
-    images = done[0]['step'] * run_cfg.batch_size
-    made = {key: rows[0].get(key) for key in ('device_name', 'torch', 'date', 'commit')}  # train.py's record
-    return {'made': made, 'curve': curve, 'img_per_s': images / (done[0]['train_seconds'] + first_step),
-            'steady_img_per_s': (images - run_cfg.batch_size) / done[0]['train_seconds'], 'batch': run_cfg.batch_size,
-            'first_step_s': first_step, 'train_minutes': (done[0]['train_seconds'] + first_step) / 60,
-            'wall_minutes': done[0]['wall_s'] / 60}
-
-
-class RunFailed(Exception):
-    exit_code = 1
+    return arms.recipe_variants(cfg, ours(cfg))
 
 
 class Missing(Exception):
@@ -218,14 +112,6 @@ class Missing(Exception):
     def __init__(self, part: str, what: str, trainable: bool = False):
         super().__init__(f'part {part!r}: {what} is not finished; run it with --train {part}')
         self.part, self.trainable = part, trainable
-
-
-def curve_path(job: Job, cfg: LadderConfig) -> str:
-    return os.path.join(curves_dir(cfg), job.name + '.json')
-
-
-def curves_dir(cfg: LadderConfig) -> str:
-    return os.path.join(cfg.out_dir, stem_of(cfg) + '-runs')
 
 
 def names_in(value: str, name: str) -> list:
@@ -240,11 +126,11 @@ def names_in(value: str, name: str) -> list:
 # ----------------------------------------------------------------------------- finished runs: the reuse rule
 
 # What a run's numbers come from besides its flags (the code a curve records): train.py and every module
-# its training and evaluation run through, the diffusers recipe's parts and its arm (ladder_recipe.py),
-# and this script's functions that make a run and read its curve.
-TRAINING_CODE = ('train.py', 'model.py', 'diffusion.py', 'data.py', 'checkpoint.py', 'evaluation.py', 'metrics.py',
-                 'cli.py', 'devices.py', 'distributed.py', 'drawing.py', 'files.py', 'diffusers_io.py',
-                 'scripts/ladder_recipe.py')
+# its training and evaluation run through, the diffusers recipe's parts and its arm (recipe.py), and the
+# functions that make a run and read its curve (runs.py's, by their source).
+TRAINING_CODE = ('train.py', 'train_config.py', 'model.py', 'diffusion.py', 'data.py', 'loaders.py', 'checkpoint.py',
+                 'evaluation.py', 'training_log.py', 'cli.py', 'devices.py', 'distributed.py', 'drawing.py', 'files.py',
+                 'diffusers_io.py', 'peers.py', 'time_to_quality/recipe.py')
 RUN_MAKERS = ('base_flags', 'run_flags', 'train_arm')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -263,8 +149,8 @@ def code_identity() -> dict:
     return {'hash': digest.hexdigest()[:16], 'commit': git_commit()}
 
 
-def timing_code() -> dict:  # a speed timing's code: the runs' (code_identity) and its own (ladder_speed.py)
-    mine = hashlib.sha256(open(os.path.join(ROOT, 'scripts', 'ladder_speed.py'), 'rb').read()).digest()
+def timing_code() -> dict:  # a speed timing's code: the runs' (code_identity) and its own (speed.py)
+    mine = hashlib.sha256(open(os.path.join(ROOT, 'time_to_quality', 'speed.py'), 'rb').read()).digest()
     return {'hash': hashlib.sha256(code_identity()['hash'].encode() + b'\0' + mine).hexdigest()[:16],
             'commit': code_identity()['commit']}
 
@@ -362,7 +248,7 @@ def check_curves(cfg: LadderConfig, identity: dict, target):
         if name not in retrain_names(cfg):
             path = os.path.join(folder, name + '.json')
             if name.endswith('-speed'):
-                ladder_speed.checked(path, cfg, identity, timing_code()['hash'])
+                speed.checked(path, cfg, identity, timing_code()['hash'])
             else:
                 reuse_or_refuse(path, cfg, identity, target)
 
@@ -512,7 +398,7 @@ def climb(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry:
 
 def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int, target: float,
                 kept: list, part: str = None) -> dict | None:
-    """The keep rule (ladder_stats.keep_rule) on one lever: its screen's pairs against the arm below and,
+    """The keep rule (stats.keep_rule) on one lever: its screen's pairs against the arm below and,
     when it passes, the pairs that confirm it, trained when this command trains the lever's part; left
     'pending' when it does not. A lever whose screen ran here on an arm since left out (Ladder.elsewhere)
     is judged on those runs against that arm, and never stacked. None when a signal stopped the ladder."""
@@ -553,14 +439,14 @@ def judge_lever(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, images: int,
 
 def judge_speed(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, planned: int, target: float,
                 kept: list) -> dict | None:
-    """The keep rule on a speed lever timed against the arm below (ladder_speed), the timing saved as
+    """The keep rule on a speed lever timed against the arm below (speed.py), the timing saved as
     STEM-runs/<lever>-speed.json; a ladder recorded before this timing: its short runs, read as they were."""
     cfg, name = ladder.cfg, f'{slug(lever.name)}-speed'
     path = os.path.join(curves_dir(cfg), name + '.json')
     arms = {'lever': {'name': lever.name, 'flags': arm.flags}, 'below': {'name': below.name, 'flags': below.flags}}
     again = name in retrain_names(cfg)
     if os.path.isfile(path) and not again:
-        saved = ladder_speed.checked(path, cfg, ladder.identity, timing_code()['hash'], arms)
+        saved = speed.checked(path, cfg, ladder.identity, timing_code()['hash'], arms)
     elif not again and all(os.path.isfile(curve_path(Job(a, s, cfg.speed_images, target), cfg)) for a in (arm, below)
                            for s in range(cfg.lever_seeds)):
         decision = judge_lever(ladder, lever, arm, below, cfg.speed_images, target, kept, part='speed (short runs)')
@@ -570,18 +456,18 @@ def judge_speed(ladder: Ladder, lever: Lever, arm: Arm, below: Arm, planned: int
     else:  # a signal is heeded after each arm's build and warm-up, and each round
         print(f'{lever.name}: timed against {below.name}, interleaved', flush=True)
         device = pick_device(cfg.device)
-        got = ladder_speed.interleave({below.name: below.flags, lever.name: arm.flags}, base_flags(cfg), device,
+        got = speed.interleave({below.name: below.flags, lever.name: arm.flags}, base_flags(cfg), device,
                                       cfg.speed_rounds, cfg.speed_steps, stop=ladder.stop)
         if got is None:
             return None
-        saved = ladder_speed.record(arms, got, cfg, ladder.identity, timing_code(), device_name(device))
+        saved = speed.record(arms, got, cfg, ladder.identity, timing_code(), device_name(device))
         os.makedirs(curves_dir(cfg), exist_ok=True)
         with atomic_open(path) as f:
             json.dump(saved, f, indent=1)
         ladder.trained.add(name)
     return {'lever': lever.name, 'builds_on': below.name, 'judged_by': 'speed', 'elsewhere': False, 'kept_below': kept,
             'fresh': False, 'images': planned,
-            **ladder_speed.decide(saved, planned, cfg.lever_seeds, max(cfg.seeds, cfg.lever_seeds))}
+            **speed.decide(saved, planned, cfg.lever_seeds, max(cfg.seeds, cfg.lever_seeds))}
 
 
 def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dict, dry: bool = False,
@@ -605,7 +491,7 @@ def side_by_side(cfg: LadderConfig, target: float, stop: StopFlag, identity: dic
 
 def run_all(jobs: list, cfg: LadderConfig, identity: dict, stop: StopFlag) -> list | None:
     """The jobs' results in order; None when a signal stopped the ladder. A failed run ends it; with
-    --workers N, each run is a process of its own (ladder_workers)."""
+    --workers N, each run is a process of its own (workers.py)."""
     if cfg.workers == 1:
         results = []
         for job in jobs:
@@ -654,7 +540,7 @@ def check_arms(cfg: LadderConfig):
 
 def check_names(cfg: LadderConfig):
     every = {a.name for a in STUDIES[cfg.ladder]()} if cfg.ladder in STUDIES else {
-        x.name for x in ladder_arms.levers(cfg, ours(cfg), bf16=True) +
+        x.name for x in arms.levers(cfg, ours(cfg), bf16=True) +
         recipe_variants(dataclasses.replace(cfg, arms=''))}
     unknown = [n for n in names_in(cfg.arms, '--arms') if n not in every]
     if unknown:
@@ -704,7 +590,7 @@ def check_parts(cfg: LadderConfig, target: float, identity: dict) -> bool:
 def refuse_unhashed(cfg: LadderConfig):
     """A command that trains pairs no new run with a curve recorded before curves held their code's hash
     (the committed ones): that its code trained as this code does cannot be shown. Such a curve makes
-    reports (scripts/ladder_report.py) only; the command is refused in one line naming it."""
+    reports (python -m time_to_quality.recompute) only; the command is refused in one line naming it."""
     folder = curves_dir(cfg)
     for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
         path = os.path.join(folder, name)
@@ -714,8 +600,8 @@ def refuse_unhashed(cfg: LadderConfig):
             if saved.get('code') is None:
                 raise ConfigError(f"{path}: recorded before curves held their code's hash (commit "
                                   f"{saved.get('made', {}).get('commit')}): read for a report "
-                                  f"(scripts/ladder_report.py), never beside a new run; pass a new --out-dir, or "
-                                  f"--retrain {name[:-len('.json')]}")
+                                  f"(python -m time_to_quality.recompute), never beside a new run; pass a new "
+                                  f"--out-dir, or --retrain {name[:-len('.json')]}")
 
 
 def validate(cfg: LadderConfig) -> tuple:
@@ -785,8 +671,4 @@ def ladder(cfg: LadderConfig) -> dict | None:
 
 
 def main(argv=None) -> int:
-    return run_main(ladder, parse_config(argv, LadderConfig, __doc__))
-
-
-if __name__ == '__main__':
-    sys.exit(main())
+    return run_main(ladder, parse_config(argv, LadderConfig, time_to_quality.__doc__))

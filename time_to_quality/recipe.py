@@ -1,4 +1,4 @@
-"""The diffusers arm of the time-to-quality ladder (scripts/time_to_quality.py): diffusers' training
+"""The diffusers arm of the time-to-quality ladder: diffusers' training
 example's loop (diffusers_io's recipe) on the same images as PNG files, its EMA scored by the judge
 that scores our runs, through our network (the same function)."""
 import math
@@ -11,11 +11,11 @@ import data
 import diffusion
 import evaluation
 from devices import device_name, pick_device
-from diffusers_io import (diffusers_config, recipe_batches, recipe_loader, recipe_parts, recipe_step,
-                          state_dict_from_diffusers, write_image_folder)
+from diffusers_io import diffusers_config, state_dict_from_diffusers
 from drawing import Sampling, draw
 from files import write_once
 from model import UNet, get_config
+from peers import recipe_batches, recipe_loader, recipe_parts, recipe_step, write_image_folder
 from reports import provenance
 
 

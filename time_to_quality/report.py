@@ -1,28 +1,18 @@
-"""The time-to-quality ladder's report (scripts/time_to_quality.py): its record (every arm's runs and
-summary, the levers' decisions, the headline ratios, the keep rule's false-keep rate and power, the
-evaluation grid against the pairs' spread, each run's commit and code), OUT_DIR/STEM.{json,md,png}.
-
-Run alone, it recomputes the report from the finished curves and trains nothing: the ladder's flags,
-as time_to_quality.py takes them (a lever of a capability this machine lacks, such as '+ bf16', is
-read back when --arms names it):
-
-    python scripts/ladder_report.py --arms '...' --runs-dir RUNS --data-dir DATA --out-dir results
-"""
+"""The time-to-quality ladder's report: its record (every arm's runs and summary, the levers' decisions,
+the headline ratios, the keep rule's false-keep rate and power, the evaluation grid against the pairs'
+spread, each run's commit and code), OUT_DIR/STEM.{json,md,png}. Written by the ladder (ladder.py) and,
+from the finished curves alone, by recompute.py."""
 import dataclasses
-import os
 import shlex
 import statistics
-import sys
 from dataclasses import asdict
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cli import ConfigError, StopFlag, check_ranges, parse_config, run_main  # noqa: E402
-from devices import device_name, device_slug, pick_device  # noqa: E402
-from ladder_arms import decay_plan, slug  # noqa: E402
-from ladder_speed import WARMUP_STEPS  # noqa: E402
-from ladder_stats import (images_to, keep_rate, mean_sd, paired_ratio, pooled_sd, score_at, summarise,  # noqa: E402
-                          unpaired_ratio)
-from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+from devices import device_name, device_slug, pick_device
+from reports import markdown_table, provenance, pyplot, save_figure, write_report
+
+from .arms import decay_plan, slug
+from .speed import WARMUP_STEPS
+from .stats import images_to, keep_rate, mean_sd, paired_ratio, pooled_sd, score_at, summarise, unpaired_ratio
 
 TRIALS = 200_000  # Monte Carlo levers behind the stated false-keep rate and power
 
@@ -130,7 +120,7 @@ def confirm_command(cfg, decision: dict) -> str:
         flags['runs_dir'] = f"{cfg.runs_dir.rstrip('/')}-confirm-{slug(decision['lever'])}"
     words = [w for key, value in flags.items() if value not in ('', None)
              for w in (f"--{key.replace('_', '-')}", str(value))]
-    return 'python scripts/time_to_quality.py ' + shlex.join(words)
+    return 'python scripts/time_to_quality.py ' + shlex.join(words)  # as committed reports give it (a shim)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -304,34 +294,3 @@ def plot(result: dict, cfg, png: str, score: str):
     ax.legend(fontsize=7)
     ax.set_title(f"{result['device']}, torch {result['torch']}, {result['date'][:10]}", fontsize=8)
     save_figure(fig, png, dpi=110)
-
-
-def recompute(cfg) -> dict:
-    """The report from the finished curves alone (each read under the reuse rule); nothing is trained,
-    and a run not finished leaves the report unfinished there, or its lever pending."""
-    import time_to_quality as ttq
-    check_ranges(cfg)
-    ttq.check_names(cfg)
-    target = 12.3 if cfg.target is None and cfg.dataset == 'digits' else cfg.target
-    if target is None:
-        raise ConfigError('--target: needed for FID (no default outside digits)')
-    identity = ttq.ladder_identity(cfg)
-    ttq.check_curves(cfg, identity, target)
-    floor = ttq.floor_of(cfg.dataset, cfg.image_size, cfg.data_dir) if cfg.dataset == 'digits' else None
-    try:
-        done = (ttq.climb if cfg.ladder == 'speed' else ttq.side_by_side)(cfg, target, StopFlag(), identity,
-                                                                           dry=True, trains=set())
-    except ttq.Missing as missing:
-        raise ConfigError(f'nothing to report: {missing}') from None
-    result = record(done, cfg, floor)
-    report(result, cfg)
-    return result
-
-
-def main(argv=None) -> int:
-    import time_to_quality as ttq
-    return run_main(recompute, parse_config(argv, ttq.LadderConfig, __doc__))
-
-
-if __name__ == '__main__':
-    sys.exit(main())

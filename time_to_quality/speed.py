@@ -1,8 +1,8 @@
 """Speed levers timed interleaved in one process: arms built as train.py builds their runs, warmed up,
 then timed in turn round after round in a rotated order (A B, B A, ...), so that every arm sees the same
 machine state; each round is a pair for the ladder's keep rule. The ladder's speed part
-(scripts/time_to_quality.py) keeps one such timing per lever, a lever against the arm below it, as
-OUT_DIR/STEM-runs/<lever>-speed.json, reused or refused like a run's curve; scripts/arm_speed.py times
+(ladder.py) keeps one such timing per lever, a lever against the arm below it, as
+OUT_DIR/STEM-runs/<lever>-speed.json, reused or refused like a run's curve; arm_speed.py times
 any set of arms the same way."""
 import json
 import math
@@ -16,9 +16,10 @@ import data
 import train
 from cli import ConfigError, brief
 from devices import synchronize
-from ladder_curves import sealed
-from ladder_stats import interval, paired_gain
 from reports import provenance
+
+from .curves import sealed
+from .stats import interval, paired_gain
 
 WARMUP_STEPS = 10  # untimed steps of each arm before the first round (a compiled arm compiles here)
 
@@ -88,7 +89,7 @@ def start_seconds(warmup_s: float, rates: list, batch: int, warmup: int) -> floa
 def decide(saved: dict, planned: int, screen: int, confirm: int) -> dict:
     """The keep rule on a saved timing (a lever against the arm below): each round a pair, its gain the
     img/s over a run of `planned` images, start_seconds paid once and every image at that round's rate
-    (ladder_stats.paired_gain, 'speed'); beside it the ratio of the rates round by round (geometric mean,
+    (stats.paired_gain, 'speed'); beside it the ratio of the rates round by round (geometric mean,
     95% interval) and each arm's start seconds."""
     def rounds(name):
         rates, batch = saved['img_per_s'][name], saved['batch']
@@ -106,7 +107,7 @@ def decide(saved: dict, planned: int, screen: int, confirm: int) -> dict:
 
 def refusal(saved: dict, identity: dict, code_hash: str, settings: dict, arms: dict = None) -> str | None:
     """Why a saved timing may not be reused, or None: not readable as one, edited since it was written
-    (its digest), another ladder's, other code's (the hash of time_to_quality.code_identity), other
+    (its digest), another ladder's, other code's (the hash of ladder.code_identity), other
     rounds or steps (`settings`), or, with `arms` ({'lever': {name, flags}, 'below': ...}), other arms."""
     try:
         rates, names = saved['img_per_s'], [saved[side]['name'] for side in ('lever', 'below')]
@@ -133,7 +134,7 @@ def refusal(saved: dict, identity: dict, code_hash: str, settings: dict, arms: d
 
 
 def settings(cfg) -> dict:
-    """A ladder's timing settings (time_to_quality.LadderConfig): a saved timing is reused under the same."""
+    """A ladder's timing settings (ladder.LadderConfig): a saved timing is reused under the same."""
     return {'rounds': cfg.speed_rounds, 'steps': cfg.speed_steps, 'warmup_steps': WARMUP_STEPS}
 
 

@@ -1,4 +1,4 @@
-"""The statistics of the time-to-quality ladder (scripts/time_to_quality.py): when a run reaches a
+"""The statistics of the time-to-quality ladder: when a run reaches a
 score, a lever's paired gain and the keep rule (with its false-keep rate and power), the headline
 ratios with their 95% intervals, and each arm's summary over its seeds. Pure functions of the runs'
 curves, tested on hand-made numbers."""

@@ -1,4 +1,4 @@
-"""The time-to-quality ladder's runs in processes of their own (scripts/time_to_quality.py --workers N):
+"""The time-to-quality ladder's runs in processes of their own (--workers N):
 each dies with the ladder, even a killed one; a failed run ends the ladder and the others are stopped
 (SIGTERM: their train.py saves and exits) and waited for."""
 import os
