@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from checkpoint import model_from_checkpoint, read_checkpoint, require_finite
-from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
+from checkpoint import model_from_checkpoint, read_checkpoint, require_finite, student_record
+from cli import ConfigError, StopFlag, changed_fields, check_ranges, flag, given_fields, parse_config, run_main
 from devices import pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
 from drawing import GRID_LIMIT, class_labels, draw, write_grid_png
@@ -49,7 +49,8 @@ class SampleConfig:
     sampler: str = flag('ddim', 'ddim (any --steps), dpm++ (DPM-Solver++(2M), any --steps; its accuracy by steps: '
                                 'docs/sampling.md) or ddpm (all T steps, ancestral)',
                         choices=('ddim', 'dpm++', 'ddpm'))
-    steps: int = flag(50, 'model calls of ddim and dpm++', at_least=1)
+    steps: typing.Optional[int] = flag(None, 'model calls of ddim and dpm++ (default 50); ddpm always takes all T '
+                                             'steps and refuses the flag', at_least=1)
     spacing: str = flag('logsnr', 'timesteps of dpm++: uniform in log-SNR or in time', choices=('logsnr', 'time'))
     eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise; above 1 would ask for more noise than the '
                            'step\'s posterior has)', at_least=0, at_most=1)
@@ -97,19 +98,22 @@ class SampleConfig:
                                  'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
 
 
-def load_model(path: str, weights: str, device) -> tuple:
+def load_model(path: str, weights: str, device, student: bool = False) -> tuple:
     """(model in eval mode, its UNetConfig, its diffusion.Schedule, what it predicts: 'eps' or 'v')
     from a train.py checkpoint or a diffusers folder (its scheduler/scheduler_config.json, or the
-    paper's schedule without one)."""
+    paper's schedule without one); with `student`, from a distill.py student ('v' or 'x')."""
     named_as = f'--ckpt {path}'
     if os.path.isdir(path):
         model, scheduler = read_diffusers(path, named_as), diffusers_scheduler(path, named_as)
         kind, num_steps, prediction = scheduler['schedule'], scheduler['num_steps'], scheduler['prediction']
     else:
-        ckpt = read_checkpoint(path, named_as)
+        ckpt = read_checkpoint(path, named_as, student_ok=student)
         model, num_steps = model_from_checkpoint(ckpt, weights, named_as), 1000
         kind, prediction = ckpt['config'].get('schedule'), ckpt['config'].get('prediction', 'eps')
-        if kind not in ('linear', 'cosine') or prediction not in diffusion.PREDICTIONS:
+        if student:
+            prediction = ckpt['student'].get('prediction')
+        if kind not in ('linear', 'cosine') or prediction not in (diffusion.STUDENT_PREDICTIONS if student
+                                                                  else diffusion.PREDICTIONS):
             raise ConfigError(f'{named_as}: not a train.py checkpoint (its schedule {kind!r}, '
                               f'prediction {prediction!r})')
     require_finite(model.state_dict(), f'{named_as}: its {weights} weights', 'sample an earlier checkpoint')
@@ -118,6 +122,7 @@ def load_model(path: str, weights: str, device) -> tuple:
 
 # ----------------------------------------------------------------------------- writing samples
 
+DEFAULT_STEPS = 50  # ddim's and dpm++'s model calls where --steps is not given
 MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
 SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'clip', 'batch_size', 'format',
             'grid', 'seed', 'amp', 'label', 'guidance')
@@ -297,6 +302,10 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
     if cfg.fid_stats and cfg.fid_data == 'digits':
         raise ConfigError(f'--fid-stats {cfg.fid_stats}: the digits score reads no Inception statistics (its '
                           f'reference is the digit classifier\'s features of the training split); drop the flag')
+    if cfg.sampler == 'ddpm' and cfg.steps is not None:
+        raise ConfigError(f'--steps {cfg.steps}: --sampler ddpm is the ancestral sampler of all T={sched.num_steps} '
+                          f'steps and takes no step count; use --sampler ddim or dpm++ for fewer')
+    cfg = dataclasses.replace(cfg, steps=DEFAULT_STEPS if cfg.steps is None else cfg.steps)
     if cfg.sampler != 'ddpm' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
@@ -338,10 +347,33 @@ def check_conditioning(cfg: SampleConfig, config: UNetConfig) -> SampleConfig:
                                guidance=1.0 if cfg.guidance is None else cfg.guidance)
 
 
-def main(cfg: SampleConfig) -> dict:
+def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
+    """A distill.py student draws with its own sampler: its steps on the grid it was trained on
+    (diffusion.student_timesteps; sampler 'student'). Another --steps or --sampler, the flags of another
+    sampler, --guidance (it learnt one scale) and what needs all T steps are refused in one line."""
+    steps, named = student['steps'], f"{cfg.ckpt} is a {student['steps']}-step student of distill.py"
+    if cfg.steps is not None and cfg.steps != steps:
+        raise ConfigError(f'--steps {cfg.steps}: {named}, drawn with its own {steps} steps on the grid it was trained '
+                          f'on; leave --steps out')
+    learnt = f", guidance {student['guidance']} learnt" if student.get('guidance') is not None else ''
+    for name in ('sampler', 'eta', 'spacing', 'variance', 'clip', 'guidance'):
+        if name in given:
+            raise ConfigError(f'--{name} {getattr(cfg, name)}: {named}, drawn with its own sampler (DDIM on its grid'
+                              f'{learnt}); leave --{name} out')
+    for name in ('bpd', 'export_diffusers'):
+        if getattr(cfg, name):
+            raise ConfigError(f'--{name.replace("_", "-")}: {named}, a few-step sampler; this needs a model of every '
+                              f'timestep (its teacher)')
+    return dataclasses.replace(cfg, sampler='student', steps=steps)
+
+
+def main(cfg: SampleConfig, given: set = None) -> dict:
     check_ranges(cfg)
     device = pick_device(cfg.device, 0)
-    model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device)
+    student = student_record(cfg.ckpt)
+    if student is not None:
+        cfg = for_student(cfg, changed_fields(cfg) if given is None else given, student)
+    model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device, student is not None)
     cfg = validate(cfg, config, sched)
     if cfg.export_diffusers:
         return export_diffusers(model, sched, cfg, prediction)
@@ -401,7 +433,7 @@ def main(cfg: SampleConfig) -> dict:
     print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
     if judge:
         images = torch.cat(list(on_disk))
-        result['digits'] = {**judge.score(judge.features(images)), 'floor': judge.floor}
+        result['digits'] = {**judge.score(judge.features(images)), **judge.memorisation(images), 'floor': judge.floor}
         print(digits_summary(result['digits']))
         if config.num_classes == 10:  # a class-conditional digits model: is each sample the digit asked?
             asked = class_labels(0, len(images), config.num_classes, cfg.label)
@@ -431,7 +463,7 @@ def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, predic
 
 
 def cli(argv=None) -> int:
-    return run_main(main, parse_config(argv, SampleConfig, __doc__))
+    return run_main(main, parse_config(argv, SampleConfig, __doc__), given_fields(argv, SampleConfig))
 
 
 if __name__ == '__main__':

@@ -1,0 +1,431 @@
+"""Few-step students of a trained model by progressive distillation: python distill.py --help
+
+    python distill.py --ckpt runs/ckpt.pt --out-dir runs/distill       # students of 32, 16, ..., 1 steps
+    python sample.py --ckpt runs/distill/student-4.pt --num 64 --grid  # draws with its own 4 steps
+
+Salimans & Ho (2022), "Progressive Distillation for Fast Sampling of Diffusion Models" (their code:
+google-research diffusion_distillation, dpm.py). The first teacher is a train.py checkpoint's EMA
+sampled with DDIM at --teacher-steps N0; a student of N0/2 steps starts as a copy of it and learns to
+land, in one DDIM step, where two of its teacher's land (distillation_loss); it then teaches a student
+of N0/4, with a fresh optimizer, down to --down-to steps. Each stage writes
+OUT/student-N.pt, which sample.py draws with its own N steps on the grid it was trained on
+(diffusion.student_timesteps, from t = T-1 to the clean endpoint). A class-conditional teacher is
+distilled at --guidance s: the teacher runs both halves of classifier-free guidance, the student
+learns the guided output with the label as its input, one pass per step.
+Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with OUT/distill.pt saved), 1 a write failed,
+2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a second Ctrl-C.
+"""
+import copy
+import glob
+import math
+import os
+import shlex
+import sys
+import time
+import typing
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+from tqdm import tqdm
+
+import data
+import diffusion
+import loaders
+from checkpoint import check_same_data, model_from_checkpoint, read_checkpoint, require_finite, save_checkpoint
+from cli import (ConfigError, NonFiniteLoss, StopFlag, StopRequested, changed_fields, check_ranges, flag, given_fields,
+                 parse_config, run_main)
+from devices import device_name, pick_device
+from files import JsonLines, claim_folder
+from model import MODEL_VERSION, UNet
+from reports import provenance
+
+GRID = 'trailing'  # diffusion.student_timesteps: t_i = round(T i / N) - 1, i = N..0
+
+
+@dataclass
+class DistillConfig:
+    ckpt: str = flag('', 'the first teacher: a train.py checkpoint (its EMA weights); required for a fresh run')
+    teacher_steps: int = flag(64, 'N0, the DDIM steps of the first teacher; the first student takes N0/2 '
+                                  '(docs/sampling.md: where DDIM has converged)', at_least=2, at_most=1000)
+    down_to: int = flag(1, 'the last student\'s steps; --teacher-steps must halve to it', at_least=1)
+    steps_per_stage: int = flag(1000, 'optimizer steps per halving (the paper: 50,000 at batch 128 on CIFAR-10)',
+                                at_least=1)
+    prediction: str = flag('v', 'what the student predicts: v = alpha eps - sigma x, or x (never eps: at t = T-1 '
+                                'x from eps divides by alpha = 0.006); the teacher keeps its own',
+                           choices=diffusion.STUDENT_PREDICTIONS)
+    guidance: float | None = flag(None, 'a class-conditional teacher\'s guidance scale (1: the conditional model '
+                                        'alone, one pass; default 1); the student learns the guided output',
+                                  at_least=0)
+    batch_size: int | None = flag(None, 'images per step (default: the teacher\'s)', at_least=1)
+    lr: float | None = flag(None, 'Adam\'s learning rate at each stage\'s start, decayed linearly to 0 at its end '
+                                  '(default: the teacher\'s; the paper: 5e-5, a quarter of its teacher\'s, but its '
+                                  'first student kept its teacher\'s output: docs/sampling.md)', positive=True)
+    grad_clip: float = flag(1.0, 'clip the global gradient norm to this (0: off)', at_least=0)
+    ema_decay: float = flag(0.0, 'EMA decay of the students (0, the paper\'s: none; the stage\'s student is its '
+                                 'last weights)', at_least=0, below=1)
+    data_dir: str | None = flag(None, 'the teacher\'s data set (default: the teacher\'s --data-dir)')
+    num_workers: int = flag(4, 'DataLoader workers when the set does not fit in memory', at_least=0)
+    log_every: int = flag(100, 'steps between metrics.jsonl rows', at_least=1)
+    ckpt_every: int = flag(500, 'steps between checkpoints OUT/distill.pt (also at each stage\'s end)', at_least=1)
+    out_dir: str = flag('runs/distill', 'where distill.pt, student-N.pt and metrics.jsonl go')
+    resume: str = flag('', 'OUT/distill.pt of a stopped run to continue exactly, or auto: it when it exists')
+    seed: int = flag(0, 'seed of the data order, timesteps and noise', at_least=0, at_most=2 ** 32 - 1)
+    device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
+
+
+# Flags a resumed run may change: they move no number of the run.
+CHANGEABLE_ON_RESUME = ('log_every', 'ckpt_every', 'num_workers', 'device', 'out_dir', 'resume', 'data_dir')
+
+
+def stage_steps(cfg: DistillConfig) -> list:
+    """The students' step counts, one per stage: N0/2, N0/4, ..., --down-to."""
+    counts = [cfg.teacher_steps // 2]
+    while counts[-1] > cfg.down_to:
+        counts.append(counts[-1] // 2)
+    return counts
+
+
+@dataclass
+class Distillation:
+    """What one run holds. `teacher` and `student` are UNets; `ema` the student's EMA or None
+    (--ema-decay 0); `teacher_config` the first teacher's train.py config (its data, schedule,
+    what it predicts); `stop` is set by SIGTERM/Ctrl-C."""
+    cfg: DistillConfig
+    device: torch.device
+    teacher_config: dict
+    sched: diffusion.Schedule
+    teacher: torch.nn.Module
+    student: torch.nn.Module
+    ema: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    loader: typing.Any
+    data_identity: dict
+    stop: StopFlag = field(default_factory=StopFlag)
+
+    @property
+    def num_classes(self) -> int:
+        return self.student.config.num_classes
+
+    @property
+    def total_steps(self) -> int:
+        return len(stage_steps(self.cfg)) * self.cfg.steps_per_stage
+
+    def sampled(self) -> torch.nn.Module:  # what the stage's student is: its EMA, or its weights
+        return self.ema if self.ema is not None else self.student
+
+
+# ----------------------------------------------------------------------------- the loss
+
+@torch.no_grad()
+def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_mid: torch.Tensor,
+                      t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
+    """z'': two unclipped DDIM steps of the teacher (its output read as `prediction`), t -> t_mid ->
+    t_to, per image. Two teacher calls; the teacher may be diffusion.guided's (two halves each)."""
+    alpha, sigma = diffusion.alpha_sigma(sched, t, z)
+    x, eps = diffusion.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    alpha_mid, sigma_mid = diffusion.alpha_sigma(sched, t_mid, z)
+    z_mid = diffusion.ddim_to(x, eps, alpha_mid, sigma_mid)
+    x, eps = diffusion.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
+    return diffusion.ddim_to(x, eps, *diffusion.alpha_sigma(sched, t_to, z))
+
+
+def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Tensor, steps: int,
+                      prediction: str = 'v', teacher_prediction: str = 'eps', k: torch.Tensor = None,
+                      noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
+    """Progressive distillation's loss for a student of `steps` steps (Salimans & Ho 2022, Algorithm 2):
+    a step k of its grid (uniform over the `steps` unless given), t = g[k] -> t'' = g[k + 1], with the
+    teacher's grid point t' between them (diffusion.student_timesteps of 2 x steps); z_t = alpha_t x0 + sigma_t eps;
+    the target x~ (diffusion.distillation_target) from the teacher's two DDIM steps; the loss
+    max(SNR_t, 1) ||x_student - x~||^2, SNR_t = alpha_t^2 / sigma_t^2 ("truncated SNR" weighting, their
+    snr_trunc: the x error at low noise, the eps error at high). student and teacher are model(z, t)
+    callables; the student's output is read as `prediction` ('v' or 'x'), the teacher's as its own."""
+    grid = torch.tensor(diffusion.student_timesteps(2 * steps, sched.num_steps), device=x0.device)
+    if k is None:
+        k = torch.randint(0, steps, (x0.shape[0],), device=x0.device)
+    if noise is None:
+        noise = torch.randn_like(x0)
+    t, t_mid, t_to = grid[2 * k], grid[2 * k + 1], grid[2 * k + 2]
+    alpha, sigma = diffusion.alpha_sigma(sched, t, x0)
+    z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
+    z_teacher = teacher_two_steps(teacher, sched, z, t, t_mid, t_to, teacher_prediction)
+    target = diffusion.distillation_target(z, z_teacher, alpha, sigma, *diffusion.alpha_sigma(sched, t_to, x0))
+    x, _ = diffusion.x_and_eps(student(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    weight = (alpha / sigma).square().clamp(min=1.0).flatten()
+    per_image = weight * (x - target).square().flatten(1).mean(1)
+    return per_image if per_example else per_image.mean()
+
+
+# ----------------------------------------------------------------------------- the step
+
+def lr_at(within: int, cfg: DistillConfig) -> float:
+    """The paper's schedule per stage: no warm-up, linear decay from --lr to 0 at the stage's end."""
+    return cfg.lr * (1 - within / cfg.steps_per_stage)
+
+
+def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
+    """One optimizer step of the student on a batch (images, or (images, labels)); the loss, unsynced."""
+    cfg = d.cfg
+    stage, within = divmod(step, cfg.steps_per_stage)
+    x0, labels = batch if isinstance(batch, tuple) else (batch, None)
+    student, teacher = d.student, d.teacher
+    # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
+    # last student, which predicts what students predict and learnt the guided output in one pass.
+    teacher_prediction = d.teacher_config['prediction'] if stage == 0 else cfg.prediction
+    if labels is not None:  # the student told the label
+        student = lambda z, t: d.student(z, t, labels)  # noqa: E731
+        teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if stage == 0 else
+                   (lambda z, t: d.teacher(z, t, labels)))
+    for group in d.optimizer.param_groups:
+        group['lr'] = lr_at(within, cfg)
+    loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
+                             teacher_prediction)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(d.student.parameters(), cfg.grad_clip)
+    d.optimizer.step()
+    d.optimizer.zero_grad(set_to_none=True)
+    if d.ema is not None:
+        with torch.no_grad():
+            torch._foreach_lerp_(list(d.ema.parameters()), list(d.student.parameters()), 1.0 - cfg.ema_decay)
+    return loss.detach()
+
+
+def begin_stage(d: Distillation, stage: int):
+    """The last stage's student becomes the teacher (stage 0: the checkpoint's EMA already is), and the
+    new student starts as a copy of it, with a fresh optimizer and EMA."""
+    if stage > 0:
+        d.teacher.load_state_dict(d.sampled().state_dict())
+    d.student.load_state_dict(d.teacher.state_dict())
+    if d.ema is not None:
+        d.ema.load_state_dict(d.teacher.state_dict())
+    d.optimizer = torch.optim.Adam(d.student.parameters(), lr=d.cfg.lr)
+
+
+def batches(loader, step: int):
+    """The run's batches from `step` on, across epochs (as train.py's)."""
+    while True:
+        epoch, start = divmod(step, loader.batches_per_epoch)
+        for batch in loader.epoch(epoch, start):
+            yield batch
+            step += 1
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) -> dict:
+    """The stages' steps from `step` on; a metrics row every --log-every steps, OUT/student-N.pt at
+    each stage's end, OUT/distill.pt every --ckpt-every steps, at each stage's end and at a stop
+    (SIGTERM or Ctrl-C: the step finishes, the checkpoint is saved, exit 0)."""
+    cfg, counts = d.cfg, stage_steps(d.cfg)
+    ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
+    loss_sum, unlogged, interval_start, start = torch.zeros((), device=d.device), 0, time.perf_counter(), seconds
+    clock = time.perf_counter()
+    bar = tqdm(total=d.total_steps, initial=step, dynamic_ncols=True, desc='distill')
+    try:
+        for batch in batches(d.loader, step) if step < d.total_steps else ():
+            stage, within = divmod(step, cfg.steps_per_stage)
+            if within == 0:
+                begin_stage(d, stage)
+            if within == 0 or bar.n == bar.initial:
+                bar.set_description(f'distill {2 * counts[stage]}->{counts[stage]} steps', refresh=False)
+            loss_sum += distill_step(d, batch, step)
+            step, unlogged = step + 1, unlogged + 1
+            bar.update(1)
+            stage_done, stopped = step % cfg.steps_per_stage == 0, d.stop.reason
+            must_save = stage_done or stopped or step % cfg.ckpt_every == 0
+            if step % cfg.log_every == 0 or must_save:  # a checkpoint only after the losses before it are seen finite
+                mean_loss = loss_sum.item() / unlogged
+                if not math.isfinite(mean_loss):
+                    raise NonFiniteLoss(f'the loss became {mean_loss} between steps {step - unlogged + 1} and {step}; '
+                                        f'stopping. The last good checkpoint is {ckpt_path} if it exists.')
+                now = time.perf_counter()
+                seconds += now - clock
+                clock = now
+                log.write({'kind': 'train', 'step': step, 'stage': stage, 'student_steps': counts[stage],
+                           'images_seen': step * cfg.batch_size, 'loss': mean_loss, 'lr': lr_at(within, cfg),
+                           'img_per_s': unlogged * cfg.batch_size / (now - interval_start), 'seconds': seconds})
+                bar.set_postfix(loss=f'{mean_loss:.4g}')
+                loss_sum.zero_()
+                unlogged, interval_start = 0, now
+            if must_save and not all(p.isfinite().all() for p in d.sampled().parameters()):
+                raise NonFiniteLoss(f'the student\'s weights became non-finite at step {step}; stopping. The last good '
+                                    f'checkpoint is {ckpt_path} if it exists.')
+            if stage_done:
+                path = os.path.join(cfg.out_dir, f'student-{counts[stage]}.pt')
+                save_checkpoint(student_state(d, stage, step, seconds), path)
+                log.write({'kind': 'stage', 'step': step, 'stage': stage, 'student_steps': counts[stage],
+                           'teacher_steps': 2 * counts[stage], 'path': path, 'seconds': seconds})
+                tqdm.write(f'stage {stage + 1}/{len(counts)}: {path} ({counts[stage]} steps), {seconds:.0f} s so far')
+            if must_save:
+                save_checkpoint(run_state(d, stage, step, seconds), ckpt_path)
+            if stopped:
+                tqdm.write(f'stopped by {stopped} at step {step}: {ckpt_path} saved; continue with python distill.py '
+                           f'--resume {shlex.quote(ckpt_path)}')
+                return {'step': step, 'stopped': stopped, 'checkpoint': ckpt_path}
+            if step >= d.total_steps:
+                break
+    finally:
+        bar.close()
+    log.write({'kind': 'done', 'step': step, 'seconds': seconds, 'images_seen': step * cfg.batch_size})
+    print(f'done: {len(counts)} stages, {step} steps ({step * cfg.batch_size:,} images) in '
+          f'{seconds - start:.1f} s this process; students {", ".join(map(str, counts))} steps in {cfg.out_dir}')
+    return {'step': step, 'stopped': None, 'checkpoint': ckpt_path}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(cfg: DistillConfig, given: set = None) -> dict:
+    stop, release = StopFlag(), lambda: None
+    restore_signals = stop.install()
+    try:
+        cfg, ckpt = settings(cfg, changed_fields(cfg) if given is None else given)
+        device = pick_device(cfg.device, 0)
+        with stop.interruptible():  # a stop during start-up: nothing trained, nothing to save
+            d = build(cfg, ckpt, device, stop)
+        release = claim_folder(cfg.out_dir, '--out-dir', ('*.pt.tmp',), () if cfg.resume else ('metrics.jsonl',))
+        step = restore(d, ckpt) if cfg.resume else 0
+        log = JsonLines(os.path.join(cfg.out_dir, 'metrics.jsonl'))
+        log.drop_after(step)
+        log.write({'config': asdict(cfg), 'teacher_config': d.teacher_config, 'start_step': step,
+                   'stages': stage_steps(cfg), 'grid': GRID, **provenance(device_name(device))})
+        return distill(d, step, log, ckpt['seconds'] if cfg.resume else 0.0)
+    except StopRequested:
+        print(f'stopped by {stop.reason} before distillation started: nothing to save', flush=True)
+        return {'step': 0, 'stopped': stop.reason, 'checkpoint': None}
+    finally:
+        restore_signals()
+        release()
+
+
+def cli(argv=None) -> int:
+    return run_main(main, parse_config(argv, DistillConfig, __doc__), given_fields(argv, DistillConfig))
+
+
+# ============================================================================= bookkeeping
+# Below: validation, building the run and the checkpoint format.
+
+def settings(cfg: DistillConfig, given: set) -> tuple:
+    """(the resolved config, the checkpoint it starts from) with every flag checked before any work: a
+    fresh run reads the teacher (--ckpt), a resumed one (--resume) replays its checkpoint's settings,
+    refusing another value of any that moves its numbers."""
+    check_ranges(cfg)
+    ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
+    if cfg.resume == 'auto':
+        cfg = replace(cfg, resume=ckpt_path if os.path.isfile(ckpt_path) else '')
+    if cfg.resume:
+        if 'out_dir' not in given:
+            cfg = replace(cfg, out_dir=os.path.dirname(cfg.resume) or '.')
+        ckpt = read_checkpoint(cfg.resume, f'--resume {cfg.resume}', student_ok=True)
+        if 'optimizer' not in ckpt or 'distill' not in ckpt:
+            raise ConfigError(f'--resume {cfg.resume}: not a distill.py run (OUT/distill.pt): a student-N.pt is '
+                              f'for sampling; a train.py checkpoint is a teacher, for --ckpt')
+        saved = DistillConfig(**ckpt['distill'])
+        for name in sorted(given - set(CHANGEABLE_ON_RESUME)):
+            if getattr(cfg, name) != getattr(saved, name):
+                raise ConfigError(f'--{name.replace("_", "-")} {getattr(cfg, name)}: the run has '
+                                  f'{getattr(saved, name)}; an exact resume needs the same value')
+        changed = {name: getattr(cfg, name) for name in CHANGEABLE_ON_RESUME if name in given}
+        return replace(saved, **{**changed, 'resume': cfg.resume, 'out_dir': cfg.out_dir}), ckpt
+    if os.path.isfile(ckpt_path):
+        raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
+                          f'or pass another --out-dir')
+    if glob.glob(os.path.join(glob.escape(cfg.out_dir), 'student-*.pt')):
+        raise ConfigError(f'--out-dir {cfg.out_dir} holds the students of another run: pass another --out-dir')
+    if not cfg.ckpt:
+        raise ConfigError('--ckpt is required: the teacher, a train.py checkpoint')
+    ckpt = read_checkpoint(cfg.ckpt, f'--ckpt {cfg.ckpt}')
+    teacher = ckpt['config']
+    if teacher.get('prediction', 'eps') not in diffusion.PREDICTIONS or teacher.get('schedule') not in ('linear',
+                                                                                                       'cosine'):
+        raise ConfigError(f'--ckpt {cfg.ckpt}: not a train.py checkpoint (its prediction or schedule)')
+    halvings = math.log2(cfg.teacher_steps / cfg.down_to)
+    if cfg.down_to >= cfg.teacher_steps or halvings != int(halvings):
+        raise ConfigError(f'--teacher-steps {cfg.teacher_steps} does not halve to --down-to {cfg.down_to}: their '
+                          f'ratio must be 2, 4, 8, ... (such as 64 and 1, or 96 and 3)')
+    classes = ckpt['model_config'].get('num_classes', 0)
+    if cfg.guidance is not None and not classes:
+        raise ConfigError(f'--guidance {cfg.guidance}: {cfg.ckpt} is an unconditional model (trained without '
+                          f'--class-cond): it has no classes to guide towards')
+    lr = cfg.lr if cfg.lr is not None else teacher['lr']
+    return replace(cfg, guidance=(1.0 if cfg.guidance is None else cfg.guidance) if classes else None, lr=lr,
+                   batch_size=cfg.batch_size or teacher['batch_size'],
+                   data_dir=cfg.data_dir if cfg.data_dir is not None else teacher['data_dir']), ckpt
+
+
+def build(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillation:
+    """The teacher, the student (a copy of it, without dropout), the optimizer and the teacher's data,
+    loaded and checked before the output folder is claimed."""
+    resuming = bool(cfg.resume)
+    named_as = f'--resume {cfg.resume}' if resuming else f'--ckpt {cfg.ckpt}'
+    teacher_config = ckpt['teacher_config'] if resuming else ckpt['config']
+    teacher = model_from_checkpoint({**ckpt, 'ema': ckpt['teacher']} if resuming else ckpt, 'ema', named_as)
+    require_finite(teacher.state_dict(), f'{named_as}: its teacher weights', 'use an earlier checkpoint')
+    teacher = teacher.to(device).requires_grad_(False)
+    config = replace(teacher.config, dropout=0.0)  # the paper's students have no dropout
+    student = UNet(config).to(device)
+    student.load_state_dict(teacher.state_dict())
+    ema = copy.deepcopy(student).requires_grad_(False) if cfg.ema_decay > 0 else None
+    dataset = data.load_dataset(teacher_config['dataset'], cfg.data_dir, config.image_size,
+                                teacher_config.get('shapes_count', 8192), labels=bool(config.num_classes))
+    first = data.first_image(dataset, config.image_size, cfg.data_dir)
+    identity = {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}
+    if config.num_classes:
+        identity['classes'] = list(dataset.class_names)
+    check_same_data({'data': ckpt.get('data')}, named_as, identity, cfg.data_dir)
+    kind = loaders.choose_loader('auto', len(dataset) * first.numel(), device)
+    try:
+        loader = loaders.make_loader(kind, dataset, cfg.batch_size, cfg.seed, device, cfg.num_workers,
+                                  flip=data.flipped_in_training(teacher_config['dataset']))
+    except data.DataError as error:
+        raise ConfigError(f'--batch-size {cfg.batch_size}: {error}') from None
+    torch.manual_seed(cfg.seed)
+    sched = diffusion.make_schedule(1000, teacher_config['schedule']).to(device)
+    optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
+    return Distillation(cfg, device, teacher_config, sched, teacher, student, ema, optimizer, loader, identity, stop)
+
+
+def student_record(d: Distillation, stage: int) -> dict:
+    """What sample.py draws a student with: its steps, grid and prediction, beside where it came from."""
+    steps = stage_steps(d.cfg)[stage]
+    return {'steps': steps, 'grid': GRID, 'timesteps': diffusion.student_timesteps(steps, d.sched.num_steps),
+            'prediction': d.cfg.prediction, 'teacher_prediction': d.teacher_config['prediction'],
+            'guidance': d.cfg.guidance, 'stage': stage, 'first_teacher': d.cfg.ckpt,
+            'first_teacher_steps': d.cfg.teacher_steps}
+
+
+def student_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
+    """A student checkpoint (OUT/student-N.pt): read_checkpoint's format, its 'ema' the weights to
+    sample, 'student' its record, 'config' the first teacher's train.py config. train.py refuses it."""
+    return {'model': d.student.state_dict(), 'ema': d.sampled().state_dict(), 'config': d.teacher_config,
+            'model_config': asdict(d.student.config), 'model_version': MODEL_VERSION,
+            'student': student_record(d, stage), 'distill': asdict(d.cfg), 'step': step, 'seconds': seconds,
+            'images_seen': step * d.cfg.batch_size}
+
+
+def run_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
+    """OUT/distill.pt: the student checkpoint of the stage under way, and what an exact resume needs:
+    its teacher, the optimizer, the RNG states and the data's identity (the data order is the step's)."""
+    rng = {'cpu': torch.get_rng_state(),
+           'cuda': torch.cuda.get_rng_state(d.device) if d.device.type == 'cuda' else None}
+    return {**student_state(d, stage, step, seconds), 'teacher': d.teacher.state_dict(),
+            'teacher_config': d.teacher_config, 'optimizer': d.optimizer.state_dict(), 'rng': rng,
+            'data': d.data_identity}
+
+
+def restore(d: Distillation, ckpt: dict) -> int:
+    """A distill.pt's states in the run; returns the step to continue from."""
+    try:
+        d.student.load_state_dict(ckpt['model'])
+        if d.ema is not None:
+            d.ema.load_state_dict(ckpt['ema'])
+        d.optimizer.load_state_dict(ckpt['optimizer'])
+    except (KeyError, ValueError, RuntimeError) as error:
+        raise ConfigError(f'--resume {d.cfg.resume}: its states do not fit this run ({error})') from None
+    torch.set_rng_state(ckpt['rng']['cpu'])
+    if d.device.type == 'cuda' and ckpt['rng'].get('cuda') is not None:
+        torch.cuda.set_rng_state(ckpt['rng']['cuda'], d.device)
+    return ckpt['step']
+
+
+if __name__ == '__main__':
+    sys.exit(cli())

@@ -1,0 +1,329 @@
+"""Quality per model call and images per second of distill.py's students beside their teacher: the digits
+score of --num samples over --seeds sampling seeds, for the teacher's DDIM and DPM-Solver++ at --calls model
+calls, each student at its own count and the teacher's 1000-step DDPM as the reference (with a guided
+class-conditional teacher and its students also the share judged as the digit asked); then img/s at batch 1
+and at --speed-batch, eager (and compiled with --compile), of DPM-Solver++ at 20 calls against each student.
+Writes OUT_DIR/STEM.{json,md,png} after every group of rows (a stop keeps what finished) and the README's
+picture (the students at 1, 2 and 4 calls beside the teacher's DPM-Solver++ at 20, from the same noise).
+
+    python scripts/few_step_study.py --teacher runs/ckpt.pt --students runs/distill
+    python scripts/few_step_study.py --teacher runs/ckpt.pt --students runs/distill \\
+        --cond-teacher runs/cond/ckpt.pt --cond-students runs/distill-cond
+    python scripts/few_step_study.py --teacher T --students S --quick --device cuda --compile  # timing only
+"""
+import glob
+import hashlib
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import evaluation  # noqa: E402
+import sample  # noqa: E402
+from checkpoint import read_checkpoint, student_record  # noqa: E402
+from cli import ConfigError, StopFlag, StopRequested, check_ranges, flag, int_list, parse_config, run_main  # noqa: E402
+from devices import device_name, device_slug, pick_device, synchronize  # noqa: E402
+from drawing import Sampling, class_labels, draw, draw_batch  # noqa: E402
+from files import atomic_open, check_creatable, check_writable  # noqa: E402
+from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+
+
+@dataclass
+class StudyConfig:
+    teacher: str = flag('', 'the unconditional teacher: a train.py digits checkpoint (required)')
+    students: str = flag('', 'its students: a distill.py --out-dir (its student-N.pt) or checkpoints, comma-separated')
+    cond_teacher: str = flag('', 'a class-conditional teacher (train.py --class-cond), optional')
+    cond_students: str = flag('', 'its guided students, as --students')
+    guidance: float | None = flag(None, 'the class-conditional teacher\'s scale (default: the one its students '
+                                        'learnt)', at_least=0)
+    calls: str = flag('1,2,4,8,20', 'model calls of the teacher\'s DDIM and DPM-Solver++')
+    seeds: str = flag('0,1,2', 'sampling seeds (the spread is over these)')
+    num: int = flag(450, 'samples per score (450: the size of the held-out digits that set the floor)', at_least=2)
+    batch_size: int = flag(450, 'images per sampling batch', at_least=1)
+    ddpm: bool = flag(True, 'the teacher\'s 1000-step DDPM as the reference, on the first seed (1000 calls per image: '
+                            'the slow part)')
+    speed: bool = flag(True, 'the img/s rows')
+    speed_batch: int = flag(500, 'the large batch of the img/s rows', at_least=2)
+    latency_images: int = flag(32, 'images drawn one at a time for the batch-1 img/s rows', at_least=1)
+    speed_repeats: int = flag(3, 'timed runs per img/s row (the median is kept), after one untimed', at_least=1)
+    compile: bool = flag(False, 'also time torch.compile\'d networks (minutes of compiling on a CPU)')
+    quick: bool = flag(False, 'timing only, one repeat, no scores and no picture: the GPU issue\'s short window')
+    data_dir: str = flag('./data', 'where the digit classifier is cached')
+    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    stem: str = flag('', 'the reports\' file name (default: DEVICE-digits-few-step, such as cpu-digits-few-step)')
+    picture: str = flag('ddpm_samples/readme_few_step.png', 'the side-by-side PNG (empty: none)')
+    device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
+
+
+def main(argv=None) -> int:
+    return run_main(study, parse_config(argv, StudyConfig, __doc__))
+
+
+# ----------------------------------------------------------------------------- models
+
+def student_paths(text: str) -> list:
+    """A distill.py output folder's student-N.pt, or the comma-separated files given."""
+    if os.path.isdir(text):
+        return sorted(glob.glob(os.path.join(text, 'student-*.pt')))
+    return [part for part in text.split(',') if part]
+
+
+def load_family(teacher_path: str, students_text: str, device, flag_name: str) -> dict:
+    """{'teacher': (model, config, sched, prediction), 'students': {steps: (model, ..., record, path)}, ...}."""
+    teacher = sample.load_model(teacher_path, 'ema', device)
+    if teacher[1].in_channels != 1:
+        raise ConfigError(f'--{flag_name} {teacher_path}: not a digits model ({teacher[1].in_channels} channels)')
+    students = {}
+    for path in student_paths(students_text):
+        record = student_record(path)
+        if record is None:
+            raise ConfigError(f'{path}: not a distill.py student (OUT/student-N.pt)')
+        loaded = sample.load_model(path, 'ema', device, student=True)
+        if loaded[1].image_size != teacher[1].image_size or loaded[1].num_classes != teacher[1].num_classes:
+            raise ConfigError(f'{path}: a student of another network than --{flag_name} {teacher_path}')
+        students[record['steps']] = (*loaded, record, path)
+    if not students:
+        raise ConfigError(f'no student-N.pt in {students_text!r}: pass distill.py\'s --out-dir or the files')
+    return {'teacher': teacher, 'students': dict(sorted(students.items(), reverse=True)), 'path': teacher_path}
+
+
+def made_by(path: str) -> dict:
+    """What a checkpoint came from: its sha256, its train.py or distill.py settings, images and seconds."""
+    with open(path, 'rb') as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    ckpt = read_checkpoint(path, path, student_ok=True)
+    if 'student' in ckpt:
+        return {'sha256': digest, 'distill': ckpt['distill'], 'images': ckpt['images_seen'], 'seconds': ckpt['seconds']}
+    return {'sha256': digest, 'flags': ckpt.get('flags', {}), 'images': ckpt['step'] * ckpt['config']['batch_size'],
+            'seconds': ckpt.get('train_seconds')}
+
+
+# ----------------------------------------------------------------------------- scores
+
+def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, device, stop: StopFlag, write,
+               rows: list):
+    """Appends to `rows` one row per (model, sampler, calls, seed): the digits score of --num samples, and
+    for a class-conditional family the share judged as the digit asked; write() after each seed."""
+    config = family['teacher'][1]
+    runs = [('teacher', 'ddim', n, family['teacher']) for n in calls] + \
+           [('teacher', 'dpm++', n, family['teacher']) for n in calls] + \
+           [(f'student-{n}', 'student', n, family['students'][n][:4]) for n in family['students']]
+    asked = class_labels(0, args.num, 10)
+    for seed in seeds:  # the 1000-call reference on the first seed only: it costs as much as all the rest
+        reference = [('teacher', 'ddpm', 1000, family['teacher'])] if args.ddpm and seed == seeds[0] else []
+        for name, sampler, n, (net, net_config, net_sched, net_prediction) in runs + reference:
+            sampling = Sampling(num=args.num, batch_size=args.batch_size, sampler=sampler, steps=n, seed=seed,
+                                guidance=1.0 if name != 'teacher' else (guidance or 1.0))
+            with stop.interruptible():
+                images = torch.cat(list(draw(net, net_config, net_sched, sampling, device, progress=False,
+                                             prediction=net_prediction)))
+            row = {'model': name, 'sampler': sampler, 'calls': n, 'seed': seed,
+                   'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+                   **judge.score(judge.features(images)), **judge.memorisation(images)}
+            if config.num_classes:
+                row['accuracy'] = judge.conditioning(images, asked)['accuracy']
+            rows.append(row)
+            print(f"{name} {sampler} {n} calls, seed {seed}: digits FD {row['digits_fd']:.2f}"
+                  + (f", {row['accuracy']:.1%} as asked" if 'accuracy' in row else ''), flush=True)
+        write()
+
+
+def summarise(rows: list) -> list:
+    """Per (model, sampler, calls): mean, sd and the 95% t-interval of the FD over the seeds."""
+    groups = {}
+    for row in rows:
+        groups.setdefault((row['model'], row['sampler'], row['calls']), []).append(row)
+    out = []
+    for (name, sampler, n), group in groups.items():
+        fds = [r['digits_fd'] for r in group]
+        sd = statistics.stdev(fds) if len(fds) > 1 else None
+        half = t_quantile(len(fds) - 1) * sd / math.sqrt(len(fds)) if sd is not None else None
+        out.append({'model': name, 'sampler': sampler, 'calls': n, 'evaluations': group[0]['evaluations'],
+                    'seeds': len(fds), 'fd_mean': statistics.mean(fds), 'fd_sd': sd, 'fd_ci95': half,
+                    'accuracy_mean': statistics.mean(r['accuracy'] for r in group) if 'accuracy' in group[0]
+                    else None})
+    return out
+
+
+def t_quantile(dof: int) -> float:
+    """The two-sided 95% quantile of Student's t (scipy's; 1.96 without scipy or with many seeds)."""
+    try:
+        from scipy.stats import t
+        return float(t.ppf(0.975, dof))
+    except ImportError:
+        return 1.96
+
+
+# ----------------------------------------------------------------------------- speed
+
+def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows: list):
+    """img/s of DPM-Solver++ at 20 calls (guided: both halves each) and of each student, at batch 1 (latency:
+    --latency-images one at a time) and at --speed-batch (throughput), eager and with --compile compiled; the median
+    of --speed-repeats timed runs after an untimed one."""
+    candidates = [('teacher', 'dpm++', 20, family['teacher'])] + [
+        (f'student-{n}', 'student', n, family['students'][n][:4]) for n in family['students']]
+    for compiled in (False, True) if args.compile else (False,):
+        for name, sampler, n, (net, config, sched, prediction) in candidates:
+            runner = torch.compile(net) if compiled else net
+            for batch in (1, args.speed_batch):
+                count = args.latency_images if batch == 1 else batch
+                sampling = Sampling(num=count, batch_size=batch, sampler=sampler, steps=n, seed=0,
+                                    guidance=1.0 if name != 'teacher' else (guidance or 1.0))
+                times = []
+                for repeat in range(1 + (1 if args.quick else args.speed_repeats)):
+                    with stop.interruptible():
+                        synchronize(device)
+                        start = time.perf_counter()
+                        for first in range(0, count, batch):
+                            draw_batch(runner, sched.to(device), sampling, device, first, config, prediction)
+                        synchronize(device)
+                    if repeat:  # the first run warms up (and compiles)
+                        times.append(time.perf_counter() - start)
+                rows.append({'model': name, 'sampler': sampler, 'calls': n, 'batch': batch, 'compiled': compiled,
+                             'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+                             'images': count, 'img_per_s': count / statistics.median(times), 'seconds': times})
+                print(f"{name} ({n} calls) batch {batch}{' compiled' if compiled else ''}: "
+                      f"{rows[-1]['img_per_s']:.1f} img/s", flush=True)
+                write()
+
+
+# ----------------------------------------------------------------------------- the study
+
+def study(args: StudyConfig):
+    check_ranges(args)
+    calls, seeds = int_list(args.calls, '--calls'), parse_seeds(args.seeds)
+    if not args.teacher or not args.students:
+        raise ConfigError('--teacher and --students are required: a digits checkpoint and its distill.py students')
+    if bool(args.cond_teacher) != bool(args.cond_students):
+        raise ConfigError('--cond-teacher and --cond-students go together')
+    check_creatable(args.out_dir, '--out-dir')
+    device = pick_device(args.device, 0)
+    families = {'unconditional': load_family(args.teacher, args.students, device, 'teacher')}
+    if args.cond_teacher:
+        families['guided'] = load_family(args.cond_teacher, args.cond_students, device, 'cond-teacher')
+        if families['guided']['teacher'][1].num_classes != 10:
+            raise ConfigError(f'--cond-teacher {args.cond_teacher}: not a class-conditional digits model')
+    learnt = {r[4].get('guidance') for f in families.values() for r in f['students'].values()} - {None}
+    guidance = args.guidance if args.guidance is not None else (learnt.pop() if len(learnt) == 1 else None)
+    if args.cond_teacher and guidance is None:
+        raise ConfigError('--guidance: the guided students learnt different scales; name the one to compare')
+    judge = None if args.quick else evaluation.DigitsJudge(families['unconditional']['teacher'][1].image_size,
+                                                           args.data_dir)
+    check_writable(args.out_dir, '--out-dir')
+    stem = args.stem or f'{device_slug(device)}-digits-few-step'
+    result = {**provenance(device_name(device)), 'config': asdict(args), 'guidance': guidance,
+              'made_by': {name: {'teacher': made_by(f['path']), 'students': {n: made_by(s[5]) for n, s in
+                                                                              f['students'].items()}}
+                          for name, f in families.items()}, 'scores': {}, 'speed': {}}
+    write = lambda: report(args, stem, result, judge)  # noqa: E731 (the plot redrawn when the scores grew)
+    stop = StopFlag()
+    restore = stop.install()
+    try:
+        if args.picture and not args.quick:
+            picture(families['unconditional'], args.picture)
+        for name, family in families.items():
+            scale = guidance if name == 'guided' else None
+            if not args.quick:
+                score_rows(args, family, judge, scale, seeds, calls, device, stop, write,
+                           result['scores'].setdefault(name, []))
+            if args.speed:
+                speed_rows(args, family, scale, device, stop, write, result['speed'].setdefault(name, []))
+    except StopRequested:
+        print(f'stopped by {stop.reason}: {args.out_dir}/{stem}.* hold the rows that finished', flush=True)
+    finally:
+        restore()
+        write()
+
+
+def parse_seeds(text: str) -> list:
+    try:
+        seeds = [int(part) for part in text.split(',')]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0 or len(set(seeds)) != len(seeds):
+        raise ConfigError(f'--seeds {text!r}: distinct whole numbers, 0 or more, separated by commas, such as 0,1,2')
+    return seeds
+
+
+def report(args: StudyConfig, stem: str, result: dict, judge):
+    """STEM.json and .md from the rows so far, and STEM.png when there are more scores than it shows."""
+    result['summary'] = {name: summarise(rows) for name, rows in result['scores'].items() if rows}
+    tables = []
+    for name, summary in result['summary'].items():
+        reference = next((s['fd_mean'] for s in summary if s['sampler'] == 'dpm++' and s['calls'] == 20), None)
+        tables.append(f'### {name}\n\n' + markdown_table(
+            ['model', 'sampler', 'calls', 'network evaluations', 'digits FD, mean +- sd', '95% interval',
+             'x DPM-Solver++-20'] + (['judged as asked'] if name == 'guided' else []),
+            [[s['model'], s['sampler'], s['calls'], s['evaluations'],
+              f"{s['fd_mean']:.2f} +- {s['fd_sd'] or 0:.2f}", f"+- {s['fd_ci95']:.2f}" if s['fd_ci95'] else '',
+              f"{s['fd_mean'] / reference:.2f}" if reference else ''] +
+             ([f"{s['accuracy_mean']:.1%}"] if name == 'guided' else []) for s in summary], left=2))
+    for name, rows in result['speed'].items():
+        tables.append(f'### images per second, {name}\n\n' + markdown_table(
+            ['model', 'calls', 'network evaluations', 'batch', 'compiled', 'img/s'],
+            [[r['model'], r['calls'], r['evaluations'], r['batch'], 'yes' if r['compiled'] else 'no',
+              f"{r['img_per_s']:.1f}"] for r in rows]))
+    floor = f'; the floor (450 held-out digits): FD {judge.floor["digits_fd"]:.2f}' if judge else ''
+    path = write_report(args.out_dir, stem, result, 'Few-step students against their teacher',
+                        '\n\n'.join(tables) or '(no rows yet)',
+                        notes=f'; {args.num} samples per score, seeds {args.seeds}{floor}')
+    scored = sum(len(rows) for rows in result['scores'].values())
+    if scored and scored != result.get('plotted'):
+        plot(result['summary'], judge, path)
+        result['plotted'] = scored
+
+
+def plot(summaries: dict, judge, path: str):
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4), squeeze=False)
+    for ax, (name, summary) in zip(axes[0], summaries.items()):
+        for sampler, style in (('ddim', 'o-'), ('dpm++', 's-'), ('student', 'D-')):
+            points = sorted((s['evaluations'], s['fd_mean'], s['fd_sd'] or 0) for s in summary
+                            if s['sampler'] == sampler)
+            if points:
+                x, y, e = zip(*points)
+                ax.errorbar(x, y, yerr=e, fmt=style, capsize=3,
+                            label={'ddim': 'teacher, DDIM', 'dpm++': 'teacher, DPM-Solver++',
+                                   'student': 'students (distilled)'}[sampler])
+        ddpm = [s for s in summary if s['sampler'] == 'ddpm']
+        if ddpm:
+            ax.axhline(ddpm[0]['fd_mean'], color='grey', ls=':', label='teacher, DDPM 1000 calls')
+        if judge:
+            ax.axhline(judge.floor['digits_fd'], color='green', ls='--', label='floor: held-out digits')
+        ax.set(xscale='log', yscale='log', xlabel='network evaluations per image', ylabel='digits FD (lower is better)',
+               title=name)
+        ax.legend(fontsize=7)
+    save_figure(fig, path)
+
+
+def picture(family: dict, path: str, count: int = 10):
+    """The students at 1, 2 and 4 calls beside the teacher's DPM-Solver++ at 20, a row each, from the same
+    noise (seed 0: every sampler's first batch draws the same x_T)."""
+    import torch.nn.functional as F
+    from PIL import Image
+    from torchvision.utils import make_grid
+    model, config, sched, prediction = family['teacher']
+    device = next(model.parameters()).device
+    teacher_at_20 = Sampling(num=count, batch_size=count, sampler='dpm++', steps=20)
+    rows = [draw_batch(model, sched.to(device), teacher_at_20, device, 0, config, prediction)]
+    for n in (4, 2, 1):
+        if n in family['students']:
+            net, net_config, net_sched, net_prediction = family['students'][n][:4]
+            rows.append(draw_batch(net, net_sched.to(device), Sampling(num=count, batch_size=count, sampler='student',
+                                                                      steps=n), device, 0, net_config, net_prediction))
+    grid = make_grid(torch.cat(rows).float().cpu() / 255, nrow=count, padding=1, pad_value=0.5)
+    pixels = (F.interpolate(grid[None], scale_factor=4, mode='nearest')[0].permute(1, 2, 0) * 255).round().byte()
+    check_writable(os.path.dirname(path) or '.', '--picture')
+    with atomic_open(path, 'wb') as f:
+        Image.fromarray(pixels.numpy()).save(f, format='png')
+    print(f"wrote {path}: rows the teacher's DPM-Solver++ at 20 calls, then the students at "
+          f"{', '.join(str(n) for n in (4, 2, 1) if n in family['students'])} calls, from the same noise")
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -1,0 +1,469 @@
+"""distill.py and its maths (diffusion.py's few-step section): the distillation target against the
+teacher's two DDIM steps, a perfect teacher on Gaussian data against the exact probability-flow map,
+the grid, exact resume across a stage's end, the refusals, and sample.py drawing a student."""
+import os
+import signal
+
+import pytest
+import torch
+from helpers import train_args
+
+import diffusion
+import distill
+import model
+import sample
+import train
+
+SCHED = diffusion.make_schedule(1000)
+
+
+def distill_args(teacher, out, *extra):
+    """Two stages of three steps (a teacher of 4 steps, students of 2 and 1), batch 8, 8x8 digits."""
+    return ['--ckpt', teacher, '--teacher-steps', '4', '--steps-per-stage', '3', '--batch-size', '8',
+            '--num-workers', '0', '--log-every', '1', '--device', 'cpu', '--out-dir', str(out), *extra]
+
+
+@pytest.fixture(scope='module')
+def teachers(tmp_path_factory, digits_cache):
+    """Tiny 8x8 digits teachers of train.py: unconditional and class-conditional (2 steps each)."""
+    made = {}
+    for name, extra in (('uncond', ()), ('cond', ('--class-cond',))):
+        tmp = tmp_path_factory.mktemp(f'teacher-{name}')
+        assert train.cli(train_args(tmp, '--dataset', 'digits', '--image-size', '8', '--steps', '2',
+                                    '--sample-every', '0', '--data-dir', digits_cache, *extra)) == 0
+        made[name] = str(tmp / 'run' / 'ckpt.pt')
+    return made
+
+
+@pytest.fixture(scope='module')
+def whole(teachers, tmp_path_factory):
+    """An uninterrupted distillation: OUT/student-2.pt, student-1.pt, distill.pt."""
+    out = tmp_path_factory.mktemp('whole') / 'run'
+    assert distill.cli(distill_args(teachers['uncond'], out)) == 0
+    return out
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+# ----------------------------------------------------------------------------- the maths
+
+def test_the_grid_starts_at_the_last_timestep_ends_clean_and_halves_exactly():
+    assert diffusion.student_timesteps(1) == [999, -1]  # a 1-step student starts from pure noise
+    assert diffusion.student_timesteps(2) == [999, 499, -1]
+    for n in list(range(1, 501)) + [1000]:
+        grid = diffusion.student_timesteps(n)
+        assert len(grid) == n + 1 and grid[0] == 999 and grid[-1] == -1
+        assert all(a > b for a, b in zip(grid, grid[1:]))
+        if 2 * n <= 1000:
+            assert diffusion.student_timesteps(2 * n)[::2] == grid  # every other teacher point is the student's
+    assert diffusion.student_timesteps(1000) == list(range(999, -2, -1))
+
+
+def test_eps_x_and_v_round_trip():
+    g = torch.Generator().manual_seed(0)
+    x, eps = torch.randn(64, 3, generator=g, dtype=torch.float64), torch.randn(64, 3, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 1000, (64,), generator=g)
+    alpha, sigma = diffusion.alpha_sigma(SCHED, t, x)
+    assert torch.allclose(alpha ** 2 + sigma ** 2, torch.ones_like(alpha), atol=1e-14)
+    z = alpha * x + sigma * eps
+    for prediction in ('eps', 'x', 'v'):
+        output = diffusion.output_for(x, eps, alpha, sigma, prediction)
+        back_x, back_eps = diffusion.x_and_eps(output, z, alpha, sigma, prediction)
+        assert torch.allclose(back_x, x, atol=1e-9, rtol=0) and torch.allclose(back_eps, eps, atol=1e-9, rtol=0)
+        assert torch.allclose(diffusion.output_for(back_x, back_eps, alpha, sigma, prediction), output, atol=1e-9)
+    v = diffusion.output_for(x, eps, alpha, sigma, 'v')  # the house's own v reads the same
+    assert torch.allclose(diffusion.eps_and_x0(v, z, alpha, sigma, 'v')[1], x, atol=1e-12)
+    assert torch.allclose(diffusion.prediction_target(SCHED, x, t, eps, 'v'), v, atol=1e-12)
+
+
+def nonlinear_teacher(z, t):
+    """A fixed, smooth stand-in for a trained eps network."""
+    return torch.tanh(1.3 * z + 0.001 * t.view(-1, *[1] * (z.dim() - 1))) + 0.1 * z.flip(-1)
+
+
+@pytest.mark.parametrize('steps', [1, 2, 4, 64])
+def test_one_student_step_driven_by_the_target_lands_where_the_teacher_lands(steps):
+    g = torch.Generator().manual_seed(steps)
+    z = torch.randn(200, 5, generator=g, dtype=torch.float64)
+    grid = torch.tensor(diffusion.student_timesteps(2 * steps))
+    k = torch.randint(0, steps, (200,), generator=g)
+    t, t_mid, t_to = grid[2 * k], grid[2 * k + 1], grid[2 * k + 2]
+    z_teacher = distill.teacher_two_steps(nonlinear_teacher, SCHED, z, t, t_mid, t_to, 'eps')
+    alpha, sigma = diffusion.alpha_sigma(SCHED, t, z)
+    alpha_to, sigma_to = diffusion.alpha_sigma(SCHED, t_to, z)
+    target = diffusion.distillation_target(z, z_teacher, alpha, sigma, alpha_to, sigma_to)
+    x, eps = diffusion.x_and_eps(target, z, alpha, sigma, 'x')  # a student that predicts x~
+    landed = diffusion.ddim_to(x, eps, alpha_to, sigma_to)
+    assert (landed - z_teacher).abs().max() < 1e-10
+    clean = t_to == -1  # the step to the clean endpoint: x~ is the teacher's x prediction at its second step
+    alpha_mid, sigma_mid = diffusion.alpha_sigma(SCHED, t_mid, z)
+    z_mid = diffusion.ddim_to(*diffusion.x_and_eps(nonlinear_teacher(z, t), z, alpha, sigma, 'eps'), alpha_mid,
+                              sigma_mid)
+    x_mid, _ = diffusion.x_and_eps(nonlinear_teacher(z_mid, t_mid), z_mid, alpha_mid, sigma_mid, 'eps')
+    assert clean.any() and torch.equal(target[clean], x_mid[clean])
+
+
+def test_the_loss_weighs_the_x_error_by_the_truncated_snr():
+    g = torch.Generator().manual_seed(3)
+    x0, noise = (torch.randn(300, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    k = torch.randint(0, 8, (300,), generator=g)
+    grid = torch.tensor(diffusion.student_timesteps(16))
+    t, t_to = grid[2 * k], grid[2 * k + 2]
+    alpha, sigma = diffusion.alpha_sigma(SCHED, t, x0)
+    z = alpha * x0 + sigma * noise
+    z_teacher = distill.teacher_two_steps(nonlinear_teacher, SCHED, z, t, grid[2 * k + 1], t_to, 'eps')
+    target = diffusion.distillation_target(z, z_teacher, alpha, sigma, *diffusion.alpha_sigma(SCHED, t_to, z))
+    off_by = 0.1 * torch.randn(300, 4, generator=g, dtype=torch.float64)
+    for prediction in ('x', 'v'):  # a student whose x misses x~ by off_by, in either parameterisation
+        output = diffusion.output_for(target + off_by, diffusion.x_and_eps(target + off_by, z, alpha, sigma, 'x')[1],
+                                      alpha, sigma, prediction)
+        loss = distill.distillation_loss(lambda z_, t_: output, nonlinear_teacher, SCHED, x0, 8, prediction, 'eps',
+                                           k=k, noise=noise, per_example=True)
+        snr = (alpha / sigma).square().flatten()
+        expected = torch.maximum(snr, torch.ones_like(snr)) * off_by.square().mean(1)
+        assert torch.allclose(loss, expected, rtol=1e-8, atol=0)
+    assert (snr > 1).any() and (snr < 1).any()  # both sides of the truncation were weighed
+
+
+def test_training_and_sampling_call_the_student_on_one_grid(monkeypatch):
+    for steps in (1, 2, 8):
+        seen = {'train': set(), 'sample': [], 'teacher': set()}
+
+        def student(z, t, into='train'):
+            (seen[into].update if into == 'train' else seen[into].extend)(t.tolist())
+            return torch.zeros_like(z)
+
+        def teacher(z, t):
+            seen['teacher'].update(t.tolist())
+            return torch.zeros_like(z)
+        distill.distillation_loss(student, teacher, SCHED, torch.zeros(400, 1), steps)
+        diffusion.student_sample(lambda z, t: student(z, t, 'sample'), SCHED, (1, 1), steps)
+        grid = diffusion.student_timesteps(steps)
+        assert seen['sample'] == grid[:-1] and seen['train'] == set(grid[:-1])
+        assert seen['teacher'] == set(diffusion.student_timesteps(2 * steps)[:-1])
+    assert seen['sample'] == [999, 874, 749, 624, 499, 374, 249, 124]
+    # One function: another grid moves training and sampling together.
+    monkeypatch.setattr(diffusion, 'student_timesteps', lambda n, num_steps=1000: [999 - 600 // n * i for i in range(n)]
+                        + [-1])
+    seen = {'train': set(), 'sample': [], 'teacher': set()}
+    distill.distillation_loss(student, teacher, SCHED, torch.zeros(400, 1), 2)
+    diffusion.student_sample(lambda z, t: student(z, t, 'sample'), SCHED, (1, 1), 2)
+    assert seen['sample'] == [999, 699] and seen['train'] == {999, 699}
+
+
+# ----------------------------------------------------------------------------- a perfect teacher on Gaussian data
+
+MU, S = torch.tensor([0.3, -0.2], dtype=torch.float64), torch.tensor([0.25, 0.4], dtype=torch.float64)
+
+
+def exact_eps(z, t):
+    """The exact eps-denoiser of x0 ~ N(MU, diag(S^2)): E[x0 | z_t] = MU + alpha S^2 / (alpha^2 S^2 + sigma^2)
+    (z_t - alpha MU), and eps = (z_t - alpha E[x0 | z_t]) / sigma."""
+    mu, s = MU.to(z.dtype), S.to(z.dtype)
+    alpha, sigma = diffusion.alpha_sigma(SCHED, t, z)
+    return (z - alpha * (mu + alpha * s ** 2 / (alpha ** 2 * s ** 2 + sigma ** 2) * (z - alpha * mu))) / sigma
+
+
+def exact_map(z, t, t_to, scale=1.0):
+    """The probability-flow ODE from t to t_to for that data (with `scale`: for data of S * scale): each
+    coordinate's marginal N(alpha mu, alpha^2 s^2 + sigma^2) carried onto the next by the monotone affine map."""
+    mu, s = MU.to(z.dtype), scale * S.to(z.dtype)
+    alpha, sigma = diffusion.alpha_sigma(SCHED, t, z)
+    alpha_to, sigma_to = diffusion.alpha_sigma(SCHED, t_to, z)
+    return alpha_to * mu + ((alpha_to ** 2 * s ** 2 + sigma_to ** 2) / (alpha ** 2 * s ** 2 + sigma ** 2)).sqrt() * (
+        z - alpha * mu)
+
+
+def rms(a, b):
+    return (a - b).square().mean().sqrt().item()
+
+
+def test_ddim_with_the_exact_denoiser_converges_to_the_exact_map():
+    z = torch.randn(2000, 2, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    exact = exact_map(z, torch.full((2000,), 999), torch.full((2000,), -1)).clamp(-1, 1)  # as the sampler returns
+    errors = [rms(diffusion.student_sample(exact_eps, SCHED, z.shape, n, prediction='eps', x=z.clone(),
+                                           dtype=torch.float64), exact) for n in (2, 8, 32, 128, 512)]
+    ratios = [b / a for a, b in zip(errors, errors[1:])]
+    assert max(ratios) < 0.5 and max(ratios[1:]) < 0.3, errors  # first order: a quarter per 4x the steps
+    assert errors[-1] < 4e-3, errors
+
+
+def test_the_exact_map_has_a_vanishing_distillation_loss_and_a_wrong_one_does_not():
+    g = torch.Generator().manual_seed(1)
+    losses, wrong = {}, {}
+    for steps in (16, 64, 256):
+        grid = torch.tensor(diffusion.student_timesteps(steps))
+
+        def student_of(scale):  # predicts the x~ of the exact map of data scaled by `scale`
+            def student(z, t):
+                t_to = grid[(grid[:-1, None] == t).double().argmax(0) + 1]
+                alpha, sigma = diffusion.alpha_sigma(SCHED, t, z)
+                alpha_to, sigma_to = diffusion.alpha_sigma(SCHED, t_to, z)
+                landed = exact_map(z, t, t_to, scale)
+                return diffusion.distillation_target(z, landed, alpha, sigma, alpha_to, sigma_to)
+            return student
+        x0 = MU + S * torch.randn(4000, 2, generator=g, dtype=torch.float64)
+        noise, k = torch.randn(4000, 2, generator=g, dtype=torch.float64), torch.randint(0, steps, (4000,), generator=g)
+        common = dict(prediction='x', teacher_prediction='eps', k=k, noise=noise)
+        losses[steps] = distill.distillation_loss(student_of(1.0), exact_eps, SCHED, x0, steps, **common).item()
+        wrong[steps] = distill.distillation_loss(student_of(1.5), exact_eps, SCHED, x0, steps, **common).item()
+    # The teacher's two steps tend to the ODE at second order: the exact map's loss falls as steps^-2.
+    assert losses[64] < losses[16] / 8 and losses[256] < losses[64] / 8 and losses[256] < 1e-5, losses
+    assert min(wrong.values()) > 0.5 * max(wrong.values()) and wrong[256] > 1e3 * losses[256], (losses, wrong)
+
+
+class TinyStudent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.f = torch.nn.Sequential(torch.nn.Linear(3, 64), torch.nn.SiLU(), torch.nn.Linear(64, 64), torch.nn.SiLU(),
+                                     torch.nn.Linear(64, 2))
+
+    def forward(self, z, t):
+        return self.f(torch.cat([z, t[:, None].float() / 1000], 1))
+
+
+def test_a_tiny_network_distilled_progressively_approaches_the_exact_map():
+    """Salimans & Ho's procedure on Gaussian data: the exact denoiser's DDIM-32 is the first teacher, each
+    student (v) teaches the next, down to one step; the 1-step student lands near the exact ODE map, where
+    the denoiser's own DDIM-1 is far from it."""
+    torch.manual_seed(0)
+    z = torch.randn(2000, 2)
+    exact = exact_map(z, torch.full((2000,), 999), torch.full((2000,), -1)).float().clamp(-1, 1)
+    ddim = {n: rms(diffusion.student_sample(exact_eps, SCHED, z.shape, n, prediction='eps', x=z.clone()), exact)
+            for n in (1, 32)}
+    teacher, teacher_prediction, student, steps = exact_eps, 'eps', TinyStudent(), 16
+    while steps >= 1:
+        optimizer = torch.optim.Adam(student.parameters(), 3e-3)
+        for _ in range(250):
+            loss = distill.distillation_loss(student, teacher, SCHED, MU.float() + S.float() * torch.randn(256, 2),
+                                               steps, 'v', teacher_prediction)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        landed = diffusion.student_sample(student, SCHED, z.shape, steps, prediction='v', x=z.clone())
+        if steps < 16:  # each student lands near where its teacher's two steps per step land (the first learns
+            # 16 timesteps from a random start: slower)
+            assert rms(landed, diffusion.student_sample(teacher, SCHED, z.shape, 2 * steps, prediction='v',
+                                                        x=z.clone())) < 0.015
+        teacher, teacher_prediction = model_copy(student), 'v'
+        steps //= 2
+    assert rms(landed, exact) < ddim[32] + 0.02 and rms(landed, exact) < ddim[1] / 4, (rms(landed, exact), ddim)
+
+
+def model_copy(net):
+    import copy
+    return copy.deepcopy(net).requires_grad_(False)
+
+
+# ----------------------------------------------------------------------------- distill.py
+
+def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, whole, tmp_path, monkeypatch):
+    step_once, stops = distill.distill_step, {2, 3}  # stage 0 has steps 1-3: mid-stage, then at its end
+
+    def step_then_sigterm(d, batch, step):
+        loss = step_once(d, batch, step)
+        if step + 1 in stops:
+            stops.discard(step + 1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    monkeypatch.setattr(distill, 'distill_step', step_then_sigterm)
+    out = tmp_path / 'split'
+    assert distill.cli(distill_args(teachers['uncond'], out)) == 0
+    assert load(out / 'distill.pt')['step'] == 2 and not (out / 'student-2.pt').exists()
+    assert distill.cli(['--resume', str(out / 'distill.pt')]) == 0
+    assert load(out / 'distill.pt')['step'] == 3 and (out / 'student-2.pt').exists()
+    assert distill.cli(['--resume', 'auto', '--out-dir', str(out)]) == 0
+    for name in ('student-2.pt', 'student-1.pt', 'distill.pt'):
+        a, b = load(whole / name), load(out / name)
+        assert a['step'] == b['step'] and a['student'] == b['student']
+        for key in ('model', 'ema') + (('teacher',) if name == 'distill.pt' else ()):
+            for tensor_name, tensor in a[key].items():
+                assert torch.equal(tensor, b[key][tensor_name]), (name, key, tensor_name)
+    a, b = load(whole / 'distill.pt')['optimizer']['state'], load(out / 'distill.pt')['optimizer']['state']
+    assert all(torch.equal(a[i]['exp_avg_sq'], b[i]['exp_avg_sq']) for i in a)
+    assert all(state['step'] == 3 for state in a.values())  # reset at the stage's start: 3 steps, not 6
+    steps = [[row['step'] for row in map(eval_json, open(folder / 'metrics.jsonl')) if row.get('kind') == 'train']
+             for folder in (whole, out)]
+    assert steps[0] == steps[1] == [1, 2, 3, 4, 5, 6]  # each step logged once
+    # The stages did what they name: the 1-step student left its teacher (the 2-step one).
+    student_1, student_2 = load(whole / 'student-1.pt'), load(whole / 'student-2.pt')
+    assert student_1['student']['steps'] == 1 and student_2['student']['timesteps'] == [999, 499, -1]
+    assert torch.equal(load(whole / 'distill.pt')['teacher']['conv_out.weight'], student_2['ema']['conv_out.weight'])
+    assert not torch.equal(student_1['ema']['conv_out.weight'], student_2['ema']['conv_out.weight'])
+
+
+def eval_json(line):
+    import json
+    return json.loads(line)
+
+
+def one_error(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith('error: '), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize('case', ['junk', 'missing', 'halving', 'down-to', 'guidance', 'student', 'resume-student',
+                                  'resume-teacher', 'range', 'prediction-eps'])
+def test_a_bad_flag_is_one_line_and_writes_nothing(case, teachers, whole, tmp_path, capsys):
+    junk = tmp_path / 'junk.pt'
+    junk.write_text('not a checkpoint')
+    teacher, out = teachers['uncond'], tmp_path / 'out'
+    args, says = {
+        'junk': (distill_args(str(junk), out), 'not a train.py checkpoint'),
+        'missing': (distill_args(str(tmp_path / 'none.pt'), out), 'no such checkpoint'),
+        'halving': (distill_args(teacher, out, '--teacher-steps', '48'), 'does not halve'),
+        'down-to': (distill_args(teacher, out, '--down-to', '4'), 'does not halve'),
+        'guidance': (distill_args(teacher, out, '--guidance', '1.5'), 'unconditional'),
+        'student': (distill_args(str(whole / 'student-1.pt'), out), 'student of distill.py'),
+        'resume-student': (['--resume', str(whole / 'student-2.pt'), '--out-dir', str(out)], 'not a distill.py run'),
+        'resume-teacher': (['--resume', teacher, '--out-dir', str(out)], 'not a distill.py run'),
+        'range': (distill_args(teacher, out, '--teacher-steps', '2048'), 'teacher-steps'),
+        'prediction-eps': (distill_args(teacher, out, '--prediction', 'eps'), 'prediction'),
+    }[case]
+    code = distill.cli(args) if case != 'prediction-eps' else pytest.raises(SystemExit, distill.cli, args).value.code
+    assert code == 2 and says in one_error(capsys)
+    assert not out.exists()
+
+
+def test_a_changed_setting_on_resume_is_refused_and_a_student_is_refused_by_train_py(whole, tmp_path, capsys):
+    before = sorted(os.listdir(whole)), os.path.getmtime(whole / 'distill.pt')
+    assert distill.cli(['--resume', str(whole / 'distill.pt'), '--prediction', 'x']) == 2
+    assert 'an exact resume needs the same value' in one_error(capsys)
+    for path in (whole / 'student-1.pt', whole / 'distill.pt'):
+        assert train.cli(['--resume', str(path), '--steps', '4']) == 2
+        assert 'student of distill.py' in one_error(capsys)
+        assert train.cli(train_args(tmp_path, '--init-from', str(path), '--steps', '1')) == 2
+        assert 'student of distill.py' in one_error(capsys)
+    assert (sorted(os.listdir(whole)), os.path.getmtime(whole / 'distill.pt')) == before
+    assert not (tmp_path / 'run').exists()
+
+
+def test_a_guided_teacher_runs_both_halves_and_its_student_one_pass(teachers, tmp_path, monkeypatch):
+    calls, forward = [], model.UNet.forward
+
+    def spy(self, x, t, labels=None):
+        calls.append((len(x), None if labels is None else sorted(set(labels.tolist()))))
+        return forward(self, x, t, labels)
+    monkeypatch.setattr(model.UNet, 'forward', spy)
+    out = tmp_path / 'guided'
+    args = distill_args(teachers['cond'], out, '--teacher-steps', '2', '--steps-per-stage', '2', '--guidance', '1.5')
+    assert distill.cli(args) == 0
+    assert len(calls) == 6  # per step: the teacher twice, both halves batched (16), the student once (8)
+    assert [n for n, _ in calls] == [16, 16, 8] * 2
+    assert all(10 in labels for n, labels in calls if n == 16) and all(10 not in labels for n, labels in calls
+                                                                        if n == 8)
+    record = load(out / 'student-1.pt')['student']
+    assert record['guidance'] == 1.5 and record['steps'] == 1
+    calls.clear()
+    assert sample.cli(['--ckpt', str(out / 'student-1.pt'), '--num', '4', '--label', '3', '--device', 'cpu',
+                       '--out', str(tmp_path / 'drawn')]) == 0
+    assert calls == [(4, [3])]  # one pass, at t = T-1, told the label
+
+
+def test_a_later_stages_teacher_is_the_last_student_read_as_students_are(teachers, tmp_path, monkeypatch):
+    # Stage 0's teacher is the trained model: its own prediction (eps), guided in two halves. From stage 1
+    # on, the teacher is the last student: its output read as v (--prediction), one pass told the label
+    # (it learnt the guided output; guiding it again would guide twice).
+    read_as, loss = [], distill.distillation_loss
+
+    def spy(student, teacher, sched, x0, steps, prediction='v', teacher_prediction='eps', **kwargs):
+        read_as.append((steps, teacher_prediction))
+        return loss(student, teacher, sched, x0, steps, prediction, teacher_prediction, **kwargs)
+    monkeypatch.setattr(distill, 'distillation_loss', spy)
+    assert distill.cli(distill_args(teachers['uncond'], tmp_path / 'plain', '--steps-per-stage', '2')) == 0
+    assert read_as == [(2, 'eps'), (2, 'eps'), (1, 'v'), (1, 'v')]
+    calls, forward = [], model.UNet.forward
+
+    def count(self, x, t, labels=None):
+        calls.append(len(x))
+        return forward(self, x, t, labels)
+    monkeypatch.setattr(model.UNet, 'forward', count)
+    assert distill.cli(distill_args(teachers['cond'], tmp_path / 'guided', '--steps-per-stage', '1',
+                                    '--guidance', '1.5')) == 0
+    assert calls == [16, 16, 8, 8, 8, 8]  # stage 0: the teacher's two halves twice, the student; stage 1: one pass each
+
+
+# ----------------------------------------------------------------------------- sample.py
+
+def test_sample_draws_a_student_on_its_grid_and_continues(whole, tmp_path, monkeypatch):
+    seen, forward = [], model.UNet.forward
+
+    def spy(self, x, t, labels=None):
+        seen.append(sorted(set(t.tolist())))
+        return forward(self, x, t, labels)
+    monkeypatch.setattr(model.UNet, 'forward', spy)
+    common = ['--ckpt', str(whole / 'student-2.pt'), '--num', '5', '--batch-size', '2', '--device', 'cpu']
+    result = sample.main(sample.parse_config(common + ['--out', str(tmp_path / 'png')], sample.SampleConfig))
+    assert result['images'] == 5 and seen == [[999], [499]] * 3
+    assert eval_json(open(tmp_path / 'png' / 'samples.json').read())['sampler'] == 'student'
+    seen.clear()
+    assert sample.cli(common + ['--out', str(tmp_path / 'png')]) == 0 and seen == []  # all drawn: nothing to do
+    assert sample.cli(common + ['--out', str(tmp_path / 'npz'), '--format', 'npz']) == 0
+    assert sample.cli(['--ckpt', str(whole / 'student-1.pt'), '--num', '4', '--grid', '--device', 'cpu',
+                       '--out', str(tmp_path / 'grid')]) == 0
+    assert seen[-1] == [999]
+
+
+@pytest.mark.parametrize('flags', [['--steps', '4'], ['--sampler', 'dpm++'], ['--sampler', 'ddim', '--steps', '2'],
+                                   ['--eta', '0.5'], ['--bpd']])
+def test_sample_refuses_another_sampler_for_a_student(whole, tmp_path, capsys, flags):
+    args = ['--ckpt', str(whole / 'student-2.pt'), '--num', '2', '--device', 'cpu', '--out', str(tmp_path / 's')]
+    assert sample.cli(args + flags) == 2
+    assert 'student of distill.py' in one_error(capsys) and not (tmp_path / 's').exists()
+
+
+# ----------------------------------------------------------------------------- scripts/few_step_study.py
+
+class StandInJudge:
+    """The digits judge's interface without its classifier (trained in seconds, but not in this test)."""
+    floor = {'digits_fd': 7.0}
+
+    def __init__(self, image_size, cache_dir):
+        pass
+
+    def features(self, images):
+        return images.float().mean((1, 2, 3)).numpy()
+
+    def score(self, features):
+        return {'digits_fd': float(features.mean())}
+
+    def conditioning(self, images, asked):
+        return {'accuracy': 0.5}
+
+    def memorisation(self, images):
+        return {'digits_near_copies': 0.0, 'digits_nn_ratio': 1.0}
+
+
+def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp_path, monkeypatch):
+    import json
+
+    import few_step_study
+    monkeypatch.setattr(few_step_study.evaluation, 'DigitsJudge', StandInJudge)
+    args = ['--teacher', teachers['uncond'], '--students', str(whole), '--calls', '1,2', '--seeds', '0,1', '--num', '4',
+            '--batch-size', '4', '--no-ddpm', '--speed-batch', '2', '--speed-repeats', '1', '--latency-images', '2',
+            '--device', 'cpu',
+            '--out-dir', str(tmp_path / 'r'), '--picture', str(tmp_path / 'p.png')]
+    assert few_step_study.main(args) == 0
+    result = json.load(open(tmp_path / 'r' / 'cpu-digits-few-step.json'))
+    rows = result['scores']['unconditional']
+    assert [(r['model'], r['sampler'], r['calls']) for r in rows if r['seed'] == 0] == [
+        ('teacher', 'ddim', 1), ('teacher', 'ddim', 2), ('teacher', 'dpm++', 1), ('teacher', 'dpm++', 2),
+        ('student-2', 'student', 2), ('student-1', 'student', 1)]
+    assert len(rows) == 12 and all(s['seeds'] == 2 for s in result['summary']['unconditional'])
+    assert [(r['model'], r['batch']) for r in result['speed']['unconditional']] == [
+        ('teacher', 1), ('teacher', 2), ('student-2', 1), ('student-2', 2), ('student-1', 1), ('student-1', 2)]
+    assert (tmp_path / 'p.png').exists() and (tmp_path / 'r' / 'cpu-digits-few-step.png').exists()
+    drawn, draw = [], few_step_study.draw
+
+    def draw_then_sigterm(*a, **k):
+        drawn.append(1)
+        if len(drawn) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return draw(*a, **k)
+    monkeypatch.setattr(few_step_study, 'draw', draw_then_sigterm)
+    assert few_step_study.main(args[:-4] + ['--out-dir', str(tmp_path / 's'), '--picture', '']) == 0
+    stopped = json.load(open(tmp_path / 's' / 'cpu-digits-few-step.json'))
+    assert len(stopped['scores']['unconditional']) == 2 and not stopped['speed']  # the two draws that finished
