@@ -23,11 +23,9 @@ median over many iterations after warm-up, from a chain of CUDA events (so that 
 as waiting for data, are counted). Compilation is timed separately and kept out of the throughput.
 """
 import dataclasses
-import functools
 import os
 import sys
 import time
-import typing
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,20 +35,21 @@ import data
 import diffusion
 import drawing
 import evaluation
+import loaders
 import profiling
 import roofline
 import train
 from cli import (ConfigError, brief, changed_fields, check_plain_name, check_ranges, flag, flag_name, parse_config,
                  refused_as, run_main)
-from devices import autocast, device_name, device_slug, pick_device, precision_of, synchronize
-from diffusers_io import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
-                          recipe_step)
+from devices import device_name, device_slug, pick_device, precision_of
 from files import check_writable
 from model import PRESETS, UNet, count_flops, count_params, count_torchinfo_flops
+from peers import DiffusersUNet, diffusers_missing_reason
 from reports import bar_chart, format_or_na, markdown_table, provenance, write_report
-from timing import (PEER_CHANGE, Row, add_speedups, beton_for, build_row_run, image_folder_for, load_data,
-                    measure_row, measured_or_failed, model_config, network_of, peak_for, release, row_line,
-                    row_settings, row_train_config, selected_rows, start_row, sweep_rows, throughput, time_iterations)
+from timing import (Row, add_speedups, beton_for, build_row_run, load_data, measure_peer, measure_recipe, measure_row,
+                    model_config, network_of, release, row_line, row_settings, row_train_config, run_sampling,
+                    selected_rows, start_row, sweep_rows, time_loader)
+from train_config import COMPILE_MODES
 
 
 @dataclass
@@ -108,7 +107,7 @@ class BenchConfig:
     sampling_only: bool = flag(False, 'time only the samplers, no training rows')
     sample_batch: int | None = flag(None, 'images per sampling batch (default: 1000; 64 on a CPU)', at_least=1)
     sample_compile_mode: str = flag('reduce-overhead', 'torch.compile mode for sampling on CUDA (CUDA graphs)',
-                                    choices=train.COMPILE_MODES)
+                                    choices=COMPILE_MODES)
     quality: bool = flag(False, 'the equivalence check: train --steps under the baseline and under all the '
                                 'speed-ups (same seed, data, batch) and compare held-out losses')
     steps: int = flag(2000, 'training steps of each --quality run', at_least=1)
@@ -148,56 +147,6 @@ def resolve(bench: BenchConfig, device: torch.device) -> BenchConfig:
                                     num_workers=min(bench.num_workers, 2),
                                     image_size=bench.image_size if cuda else min(bench.image_size, 16))
     return bench
-
-
-# ----------------------------------------------------------------------------- the peers (their code: diffusers_io)
-
-def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
-    """The model peer: diffusers' UNet2DModel under the settings of our fastest row (compile,
-    precision, channels-last, fused Adam, data path, batch; its attention its own default, SDPA)."""
-    row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', **PEER_CHANGE)
-    if reason := diffusers_missing_reason():
-        return {'name': row.name, 'kind': 'model', 'skipped': reason}
-    result = {'kind': 'model', **measure_row(row, bench, device, dataset, dataset_name, flops)}
-    return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
-
-
-def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
-    """The system peer: what a diffusers user runs to train this network (diffusers_io's RECIPE,
-    recipe_step, recipe_loader) on the same images as PNG files, at our fastest row's batch size and
-    precision, eager as the example is."""
-    name = f'diffusers training recipe (train_unconditional.py loop, {bench.num_workers} workers)'
-    entry = {'name': name, 'kind': 'recipe', 'batch_size': best.batch_size, 'settings': {**RECIPE, 'amp': best.amp}}
-    if reason := diffusers_missing_reason():
-        return {**entry, 'skipped': reason}
-    row_cfg = row_train_config(Row(name, best.batch_size, amp=best.amp), bench, device, dataset_name)
-
-    def measure():
-        loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
-                               bench.num_workers, data.channels_of(dataset_name),
-                               flip=data.flipped_in_training(dataset_name))
-        torch.manual_seed(bench.seed)
-        parts, stream = recipe_parts(model_config(bench), device, len(loader), row_cfg.amp), recipe_batches(loader)
-        return throughput(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench, name),
-                          row_cfg, bench, device, flops)
-    return beside_ours(measured_or_failed(entry, device, measure), best, best_result, bench, device, dataset,
-                       dataset_name, flops)
-
-
-def beside_ours(result: dict, best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
-    """A peer's timing with our fastest row timed again right after it, so that the ratio compares
-    two neighbouring timings, not a drift of the GPU's clocks since the start of the ladder."""
-    from diffusers import __version__
-    result['diffusers'] = __version__
-    if 'img_per_s' not in result:
-        return result
-    again = measure_row(best, bench, device, dataset, dataset_name, flops)
-    result.update(ours=best.name, ours_first={k: best_result[k] for k in ('ms_per_iter', 'img_per_s')},
-                  ratio_first_timing=best_result['img_per_s'] / result['img_per_s'])
-    if 'img_per_s' in again:
-        result.update(ours_again={k: again[k] for k in ('ms_per_iter', 'img_per_s')},
-                      ratio=again['img_per_s'] / result['img_per_s'])
-    return result
 
 
 # ----------------------------------------------------------------------------- outputs
@@ -326,48 +275,6 @@ def run_ladder(bench: BenchConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- sampling speed
-
-def sampling_model(bench: BenchConfig, device: torch.device):
-    """The preset's UNet, eval mode, in the fastest settings for inference on this device."""
-    model = UNet(model_config(bench)).to(device).eval().requires_grad_(False)
-    if device.type == 'cuda':
-        model = model.to(memory_format=torch.channels_last)
-        return (torch.compile(model, mode=bench.sample_compile_mode), 'bf16',
-                f'compile {bench.sample_compile_mode}, channels-last')
-    return (model, 'fp32', 'eager (--quick)') if bench.quick else (torch.compile(model), 'fp32', 'compile default')
-
-
-def run_sampling(bench: BenchConfig, device: torch.device, flops: dict) -> typing.Iterator[dict]:
-    """img/s and MFU of DDIM-50, DPM-Solver++ at 10, 20 and 50 calls and DDPM-1000 on one batch of
-    `--sample-batch` images (the first call, which compiles, timed apart), a row as each is done."""
-    model, precision, settings = sampling_model(bench, device)
-    quick_cpu = bench.quick and device.type == 'cpu'
-    ddim_steps, num_steps = (10, 100) if quick_cpu else (50, 1000)  # --quick on a CPU: the wiring, not the speed
-    sched = diffusion.make_schedule(num_steps).to(device)
-    batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
-    shape = (batch, data.channels_of(bench.dataset), bench.image_size, bench.image_size)
-    generator, repeats = torch.Generator(device).manual_seed(bench.seed), 1 if bench.quick else 3
-    plan = [('ddim', ddim_steps, repeats)] + [('dpm++', calls, repeats) for calls in
-                                              ((5, 10) if quick_cpu else (10, 20, 50))] + [('ddpm', num_steps, 1)]
-    for name, steps, repeats in plan:
-        label = f"{({'ddim': 'DDIM', 'dpm++': 'DPM-Solver++', 'ddpm': 'DDPM'})[name]}-{steps}"
-        print(f'sampling: {label} ...', flush=True)
-        draw = functools.partial(diffusion.run_sampler, name, model, sched, shape, steps, generator, device)
-        try:
-            with autocast('bf16' if precision == 'bf16' else 'off', device):
-                timing = time_iterations(lambda step: draw(), device,
-                                         dataclasses.replace(bench, warmup=0, iters=repeats), label)
-            first, seconds = timing['compile_s'], timing['ms_per_iter'] / 1e3
-        except Exception as error:  # a sampler that fails here is reported, not fatal to the table
-            yield {'name': label, 'error': brief(error, 300)}
-            continue
-        tflops, peak = batch * steps * flops['forward'] / seconds / 1e12, peak_for(precision, device, bench)
-        yield {'name': label, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
-               'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds, 'tflops': tflops,
-               'mfu': tflops / peak if peak else None, 'seconds_for_50k': 50000 / (batch / seconds),
-               'timed_calls': repeats}
-    release(device)
-
 
 def run_sampling_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, _, flops = prepare(bench, need_data=False)
@@ -636,20 +543,6 @@ def run_sweep(bench: BenchConfig) -> dict:
     return write_sweep(stem, meta, results, bench)
 
 
-def time_loader(loader, num_batches: int, device: torch.device) -> float:
-    """Images per second a loader delivers to the device (the batch is consumed on the device)."""
-    stream = (x for epoch in range(10 ** 6) for x in loader.epoch(epoch))
-    checksum = torch.zeros((), device=device)
-    for _ in range(2):
-        checksum += next(stream).sum()  # warm-up: worker start, first epoch's order
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(num_batches):
-        checksum += next(stream)[:, :, 0, 0].sum()  # touch the batch on the device, cheaply
-    synchronize(device)
-    return num_batches * loader.batch_size / (time.perf_counter() - start)
-
-
 def run_loader_only(bench: BenchConfig) -> dict:
     bench, device, dataset_name, dataset, flops = prepare(bench)
     best = start_row(bench, device)
@@ -661,7 +554,7 @@ def run_loader_only(bench: BenchConfig) -> dict:
             results.append({'name': name, 'skipped': data.ffcv_missing_reason()})
             continue
         workers = bench.num_workers if kind == 'ffcv' else workers
-        loader = data.make_loader(kind, beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset, batch,
+        loader = loaders.make_loader(kind, beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset, batch,
                                   bench.seed, device, workers, progress=False)
         results.append({'name': f'FFCV ({loader.num_workers} threads)' if kind == 'ffcv' else name, 'loader': kind,
                         'num_workers': workers, 'img_per_s': time_loader(loader, num_batches, device)})

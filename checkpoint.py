@@ -8,8 +8,10 @@ from dataclasses import asdict, fields, replace
 
 import torch
 
-from cli import ConfigError, brief
+import evaluation
+from cli import ConfigError, NonFiniteLoss, brief
 from diffusers_io import diffusers_scheduler, read_diffusers
+from distributed import any_rank, gather_to_rank0
 from files import atomic_open, disk_full_error
 from model import MODEL_VERSION, UNet, UNetConfig
 
@@ -17,8 +19,9 @@ from model import MODEL_VERSION, UNet, UNetConfig
 # torch.load(weights_only=True) and holds plain state dicts 'model' and 'ema', the run's
 # 'config' and 'model_config' (as dicts), 'model_version', and what an exact resume needs:
 # 'optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng' (one entry per rank), 'data'
-# (image count and fingerprint), 'train_seconds' and 'eval_owed'. train.checkpoint_state
-# writes it, train.restore reads it back.
+# (image count and fingerprint), 'train_seconds' and 'eval_owed'. checkpoint_state
+# below writes it, restore reads it back. distill.py's students add a 'student' record (steps, grid,
+# prediction: what sample.py draws them with); read_checkpoint refuses them wherever a teacher is read.
 CHECKPOINT_REQUIRED = ('model', 'ema', 'config', 'model_config')
 RESUME_REQUIRED = ('optimizer', 'scaler', 'step', 'epoch', 'batch_in_epoch', 'rng')  # and an exact resume these
 # The resume rule. A resumed run replays the settings given to the run (its 'flags'), with those
@@ -136,10 +139,12 @@ def save_checkpoint(state: dict, path: str):
         raise disk_full_error(path, error) from None
 
 
-def read_checkpoint(path: str, named_as: str) -> dict:
+def read_checkpoint(path: str, named_as: str, student_ok: bool = False) -> dict:
     """A checkpoint, loaded without running code from the file. Anything else (no file, junk, a
     dict of something else, a checkpoint of the network before it was made the paper's) is a
-    one-line ConfigError starting with `named_as` (such as '--resume PATH')."""
+    one-line ConfigError starting with `named_as` (such as '--resume PATH'); so is a distill.py
+    student (its 'student' record) unless `student_ok`: it learnt a few steps on its own grid, and
+    neither trains on as a train.py run nor samples with another sampler."""
     if not os.path.isfile(path):
         raise ConfigError(f'{named_as}: no such checkpoint')
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
@@ -156,7 +161,23 @@ def read_checkpoint(path: str, named_as: str) -> dict:
     if version != MODEL_VERSION:
         raise ConfigError(f'{named_as}: written for UNet version {version}, and model.py is version {MODEL_VERSION} '
                           f'(the paper\'s network); its weights do not compute the same function, so retrain')
+    if 'student' in ckpt and not student_ok:
+        raise ConfigError(f"{named_as}: a {ckpt['student'].get('steps')}-step student of distill.py, not a train.py "
+                          f"checkpoint: draw it with sample.py --ckpt {path}; a stopped distillation continues with "
+                          f"distill.py --resume OUT/distill.pt")
     return ckpt
+
+
+def student_record(path: str) -> dict | None:
+    """The 'student' record of a distill.py checkpoint (its steps, grid and prediction), or None for
+    anything else: a train.py checkpoint, a diffusers folder, a file that read_checkpoint refuses."""
+    if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+        return None
+    try:
+        ckpt = torch.load(path, map_location='cpu', weights_only=True, mmap=True)  # mapped: no weights read
+    except Exception:
+        return None
+    return ckpt.get('student') if isinstance(ckpt, dict) else None
 
 
 def checkpoint_model_config(ckpt: dict, named_as: str) -> UNetConfig:
@@ -258,3 +279,56 @@ def require_finite(state: dict, named_as: str, instead: str):
 
 def _plain(value):
     return list(value) if isinstance(value, tuple) else value
+
+
+# ----------------------------------------------------------------------------- a run's state
+
+def checkpoint_state(run, step: int, eval_owed: bool = False, train_seconds: float = 0.0,
+                     wall_seconds: float = 0.0) -> dict:
+    """The checkpoint (its format: checkpoint.py). Every rank must call it: rank 0
+    gathers the RNG states of all ranks. eval_owed: an evaluation due at this step did not run (a
+    stop came first); train_seconds, wall_seconds: the training and the loop's wall time so far,
+    counted on by a resumed run."""
+    rng = {'cpu': torch.get_rng_state(),
+           'cuda': torch.cuda.get_rng_state(run.device) if run.device.type == 'cuda' else None}
+    (rng_all,) = gather_to_rank0((rng,), run.rank, run.world_size, run.control_group)  # rank 0 saves
+    epoch, batch = divmod(step, run.loader.batches_per_epoch)
+    return {'model': run.model.state_dict(), 'ema': run.ema.state_dict() if run.ema is not None else None,
+            'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
+            'epoch': epoch, 'batch_in_epoch': batch, 'config': asdict(run.cfg),
+            'model_config': asdict(run.model.config), 'model_version': MODEL_VERSION, 'rng': rng_all,
+            'data': run.data_identity, 'eval_owed': eval_owed, 'train_seconds': train_seconds,
+            'wall_seconds': wall_seconds, 'flags': run.flags}
+
+
+def restore(run, ckpt: dict) -> int:
+    """Loads a checkpoint into the run; returns the step to continue from."""
+    try:
+        run.model.load_state_dict(ckpt['model'])
+        if run.ema is not None:
+            run.ema.load_state_dict(ckpt['ema'])
+        run.optimizer.load_state_dict(ckpt['optimizer'])
+        for group in run.optimizer.param_groups:  # the run's --adam-beta2, not the one the state saved
+            group['betas'] = (0.9, run.cfg.adam_beta2)
+        run.scaler.load_state_dict(ckpt['scaler'])
+    except (KeyError, ValueError, RuntimeError, TypeError) as error:
+        raise ConfigError(f'--resume {run.cfg.resume}: its states do not fit this run ({brief(error)})') from None
+    rng = ckpt['rng'][run.rank]
+    torch.set_rng_state(rng['cpu'])
+    if run.device.type == 'cuda' and rng.get('cuda') is not None:
+        torch.cuda.set_rng_state(rng['cuda'], run.device)
+    return ckpt['step']
+
+
+def save_if_good(run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
+    """The checkpoint of this step, once proven good; a broken model stops the run instead, and
+    the last good checkpoint stays (every rank agrees)."""
+    with log.paused():
+        problem = evaluation.weights_problem(run, heldout, row)
+        if any_rank(problem is not None, run.control_group):
+            raise NonFiniteLoss(f"at step {step}: {problem or 'a problem on another rank'}; stopping without a "
+                                f"checkpoint. " + (f'The last good checkpoint is {last_good}.' if last_good
+                                                   else 'No checkpoint was written by this run.'))
+        state = checkpoint_state(run, step, eval_owed, log.training_seconds(), log.wall_seconds())
+        if run.rank == 0:
+            save_checkpoint(state, path)

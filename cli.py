@@ -147,6 +147,11 @@ def given_fields(argv, config_class) -> set:
 
 # ----------------------------------------------------------------------------- errors and exit codes
 
+class NonFiniteLoss(Exception):
+    """The loss became NaN or inf: one line, exit code 3."""
+    exit_code = 3
+
+
 def run_main(main, *args) -> int:
     """main(*args) as a script runs it: 0 when it returns; our errors (ConfigError, data.DataError,
     anything with an `exit_code`) as one 'error:' line and their code; a failed write (OSError:

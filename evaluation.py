@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 import data
 import diffusion
-from cli import ConfigError, brief
+import loaders
+from cli import ConfigError, StopRequested, brief
 from devices import autocast, own_rng
 from distributed import gather_to_rank0
 from drawing import Sampling, draw
@@ -419,7 +420,7 @@ def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device
     losses = []
     try:
         for chunk in torch.arange(len(images), device=device).split(cfg.batch_size):
-            x0 = data.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
+            x0 = loaders.to_model_input(images[chunk], torch.zeros_like(chunk, dtype=torch.bool))
             if cfg.channels_last:
                 x0 = x0.contiguous(memory_format=torch.channels_last)
             with autocast(cfg.amp, device):
@@ -637,3 +638,34 @@ def digits_summary(score: dict) -> str:
                f"that of unseen digits (floor {floor['digits_nn_ratio']:.2f}x). A digits FD under its floor with "
                f"no near copies is a model close to the training digits' statistics, not a copier"
                if 'digits_near_copies' in score else ''))
+
+
+# ----------------------------------------------------------------------------- what the training loop calls
+
+def evaluate(run, evaluator, log, step: int) -> dict | None:
+    """An evaluation row (evaluation.Evaluator; {} on ranks other than 0); None if a stop cut it
+    short (in one process; under DDP the ranks are inside its collectives, so it finishes)."""
+    hours = log.training_seconds() / 3600
+    with log.paused():
+        try:
+            with run.stop.interruptible() if run.world_size == 1 else contextlib.nullcontext(), own_rng(run.device):
+                row = evaluator(step, hours)
+        except StopRequested:
+            log.print(f'evaluation at step {step} left out: a stop was requested; the resumed run owes it')
+            return None
+    if row:  # rank 0
+        log.write(row)
+        fid = f", FID {row['fid']:.2f} ({row['fid_samples']} samples)" if 'fid' in row else ''
+        if 'digits_fd' in row:
+            fid = (f", digits FD {row['digits_fd']:.2f} (floor {row['digits_fd_floor']:.2f}; {row['digits_samples']} "
+                   f"samples, {row['digits_confident']:.0%} confident)")
+        log.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
+                  f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
+        log.draw_curves()
+    return row
+
+
+def score_reached(cfg, row: dict) -> bool:
+    """Whether an evaluation's score (rank 0's row) is at or below --stop-at-score."""
+    score = row.get(score_key(cfg.dataset)) if cfg.stop_at_score else None
+    return score is not None and score <= cfg.stop_at_score

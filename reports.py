@@ -3,6 +3,7 @@ JSON + Markdown files written whole, and charts drawn without a display."""
 import datetime
 import json
 import os
+import re
 import sys
 
 import torch
@@ -30,14 +31,18 @@ def git_commit(folder: str = None) -> str:
 
 def command_line() -> str:
     """The command that started this process, shell-quoted so that it replays as it ran: under
-    torchrun (its environment), the torchrun launch with its node and process counts."""
+    torchrun (its environment), the torchrun launch with its node and process counts; a module run
+    with -m (python -m time_to_quality) by its name, not its file's path."""
     import shlex
     launch = 'python'
     if 'TORCHELASTIC_RUN_ID' in os.environ or 'LOCAL_WORLD_SIZE' in os.environ:
         per_node = int(os.environ.get('LOCAL_WORLD_SIZE', 1))
         nodes = max(int(os.environ.get('WORLD_SIZE', per_node)) // per_node, 1)
         launch = f'torchrun --nnodes {nodes} --nproc_per_node {per_node}'
-    return f'{launch} {shlex.join(sys.argv)}'
+    main, argv = sys.modules.get('__main__'), sys.argv
+    if getattr(main, '__spec__', None) and argv[:1] == [getattr(main, '__file__', None)]:  # python -m NAME: its name
+        argv = ['-m', main.__spec__.name.removesuffix('.__main__'), *argv[1:]]
+    return f'{launch} {shlex.join(argv)}'
 
 
 def provenance(device: str) -> dict:
@@ -58,16 +63,33 @@ def markdown_table(headers: list, rows: list, left: int = 1) -> str:
     return '\n'.join(lines + ['| ' + ' | '.join(str(cell) for cell in row) + ' |' for row in rows])
 
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+LOCAL_PATH = re.compile(r'(?<![\w.])/(?:tmp|root|home|work|Users|var)/[^\s"\'`,;)\]|]*')
+
+
+def portable(text: str) -> str:
+    """A report's text without the paths of the machine that made it: one inside the repository
+    relative to it, one elsewhere as its last two parts after '.../' (a checkpoint is named by the
+    command, commit and sha256 beside it, not by where it lay)."""
+    def shown(match):
+        path = match.group(0)
+        if path.startswith(ROOT + os.sep):
+            return os.path.relpath(path, ROOT)
+        return '.../' + '/'.join(path.rstrip('/').split('/')[-2:])
+    return LOCAL_PATH.sub(shown, text)
+
+
 def write_report(out_dir: str, stem: str, result: dict, title: str, body: str, notes: str = '') -> str:
     """OUT_DIR/STEM.json (the result, with its provenance) and STEM.md (the title; device, torch,
-    date, commit; `notes`; the command; the `body`), each written whole or not at all. Returns the
-    path of the .png that goes beside them (each caller draws its own)."""
+    date, commit; `notes`; the command; the `body`), each written whole or not at all, the machine's
+    own paths made portable. Returns the path of the .png that goes beside them (each caller draws its
+    own)."""
     path = os.path.join(out_dir, stem)
     markdown = (f"# {title}\n\n{result['device']}, torch {result['torch']}, {result['date']}, commit "
                 f"{result['commit']}{notes}\n\nCommand: `{result['command']}`\n\n{body}\n")
     for ext, text in (('.json', json.dumps(result, indent=1)), ('.md', markdown)):
         with atomic_open(path + ext) as f:
-            f.write(text)
+            f.write(portable(text))
     return path + '.png'
 
 

@@ -21,8 +21,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
-import data
 import diffusion
+import loaders
 import train
 from cli import ConfigError
 from devices import GPU_BANDWIDTH, device_name, device_slug, peak_tflops
@@ -195,7 +195,7 @@ def count_step(cfg: train.TrainConfig, cuda: bool = True, make_model=None, scope
         loss = train.make_loss(dataclasses.replace(cfg, compile=False), model, sched, cpu)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
         run = train.Run(cfg, cpu, 0, 1, model, ema, loss, optimizer, torch.amp.GradScaler('cpu', enabled=False),
-                        sched, data.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
+                        sched, loaders.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
         stream = train.batches(run, 0)
         train.train_step(run, next(stream), 0)
         with counter:

@@ -1,5 +1,7 @@
-"""Timing one training step as train.py runs it: the ladder's rows (one change each), the timed
-loop (median of iterations after warm-up; CUDA events on a GPU), throughput, TFLOP/s and MFU."""
+"""How benchmark.py times what it times: one training step as train.py runs it (the ladder's rows,
+one change each), the timed loop (median of iterations after warm-up; CUDA events on a GPU),
+throughput, TFLOP/s and MFU; the diffusers peers beside our fastest row; the samplers; a loader's
+images per second."""
 import contextlib
 import dataclasses
 import functools
@@ -13,12 +15,14 @@ import torch
 from tqdm import tqdm
 
 import data
+import diffusion
 import train
 from cli import ConfigError, brief
-from devices import A100_PEAK_TFLOPS, peak_tflops, precision_of, synchronize
-from diffusers_io import DiffusersUNet, diffusers_missing_reason, write_image_folder
+from devices import A100_PEAK_TFLOPS, autocast, peak_tflops, precision_of, synchronize
 from files import write_once
-from model import get_config
+from model import UNet, get_config
+from peers import (RECIPE, DiffusersUNet, diffusers_missing_reason, recipe_batches, recipe_loader, recipe_parts,
+                   recipe_step, write_image_folder)
 from reports import format_or_na
 
 
@@ -357,3 +361,111 @@ def load_data(bench):
             if bench.dataset == 'cifar10':
                 raise
     return 'shapes', data.ImageTensorDataset(data.make_shapes(bench.num_images, bench.image_size))
+
+
+# ----------------------------------------------------------------------------- the peers (their code: diffusers_io)
+
+def measure_peer(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """The model peer: diffusers' UNet2DModel under the settings of our fastest row (compile,
+    precision, channels-last, fused Adam, data path, batch; its attention its own default, SDPA)."""
+    row = dataclasses.replace(best, name='diffusers UNet2DModel (settings of our fastest row)', **PEER_CHANGE)
+    if reason := diffusers_missing_reason():
+        return {'name': row.name, 'kind': 'model', 'skipped': reason}
+    result = {'kind': 'model', **measure_row(row, bench, device, dataset, dataset_name, flops)}
+    return beside_ours(result, best, best_result, bench, device, dataset, dataset_name, flops)
+
+
+def measure_recipe(best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """The system peer: what a diffusers user runs to train this network (diffusers_io's RECIPE,
+    recipe_step, recipe_loader) on the same images as PNG files, at our fastest row's batch size and
+    precision, eager as the example is."""
+    name = f'diffusers training recipe (train_unconditional.py loop, {bench.num_workers} workers)'
+    entry = {'name': name, 'kind': 'recipe', 'batch_size': best.batch_size, 'settings': {**RECIPE, 'amp': best.amp}}
+    if reason := diffusers_missing_reason():
+        return {**entry, 'skipped': reason}
+    row_cfg = row_train_config(Row(name, best.batch_size, amp=best.amp), bench, device, dataset_name)
+
+    def measure():
+        loader = recipe_loader(image_folder_for(bench, dataset_name, dataset), bench.image_size, best.batch_size,
+                               bench.num_workers, data.channels_of(dataset_name),
+                               flip=data.flipped_in_training(dataset_name))
+        torch.manual_seed(bench.seed)
+        parts, stream = recipe_parts(model_config(bench), device, len(loader), row_cfg.amp), recipe_batches(loader)
+        return throughput(time_iterations(lambda step: recipe_step(parts, next(stream)), device, bench, name),
+                          row_cfg, bench, device, flops)
+    return beside_ours(measured_or_failed(entry, device, measure), best, best_result, bench, device, dataset,
+                       dataset_name, flops)
+
+
+def beside_ours(result: dict, best: Row, best_result: dict, bench, device, dataset, dataset_name, flops) -> dict:
+    """A peer's timing with our fastest row timed again right after it, so that the ratio compares
+    two neighbouring timings, not a drift of the GPU's clocks since the start of the ladder."""
+    from diffusers import __version__
+    result['diffusers'] = __version__
+    if 'img_per_s' not in result:
+        return result
+    again = measure_row(best, bench, device, dataset, dataset_name, flops)
+    result.update(ours=best.name, ours_first={k: best_result[k] for k in ('ms_per_iter', 'img_per_s')},
+                  ratio_first_timing=best_result['img_per_s'] / result['img_per_s'])
+    if 'img_per_s' in again:
+        result.update(ours_again={k: again[k] for k in ('ms_per_iter', 'img_per_s')},
+                      ratio=again['img_per_s'] / result['img_per_s'])
+    return result
+
+
+# ----------------------------------------------------------------------------- sampling and loaders
+
+def sampling_model(bench, device: torch.device):
+    """The preset's UNet, eval mode, in the fastest settings for inference on this device."""
+    model = UNet(model_config(bench)).to(device).eval().requires_grad_(False)
+    if device.type == 'cuda':
+        model = model.to(memory_format=torch.channels_last)
+        return (torch.compile(model, mode=bench.sample_compile_mode), 'bf16',
+                f'compile {bench.sample_compile_mode}, channels-last')
+    return (model, 'fp32', 'eager (--quick)') if bench.quick else (torch.compile(model), 'fp32', 'compile default')
+
+
+def run_sampling(bench, device: torch.device, flops: dict) -> typing.Iterator[dict]:
+    """img/s and MFU of DDIM-50, DPM-Solver++ at 10, 20 and 50 calls and DDPM-1000 on one batch of
+    `--sample-batch` images (the first call, which compiles, timed apart), a row as each is done."""
+    model, precision, settings = sampling_model(bench, device)
+    quick_cpu = bench.quick and device.type == 'cpu'
+    ddim_steps, num_steps = (10, 100) if quick_cpu else (50, 1000)  # --quick on a CPU: the wiring, not the speed
+    sched = diffusion.make_schedule(num_steps).to(device)
+    batch = min(bench.sample_batch, 4) if bench.quick else bench.sample_batch
+    shape = (batch, data.channels_of(bench.dataset), bench.image_size, bench.image_size)
+    generator, repeats = torch.Generator(device).manual_seed(bench.seed), 1 if bench.quick else 3
+    plan = [('ddim', ddim_steps, repeats)] + [('dpm++', calls, repeats) for calls in
+                                              ((5, 10) if quick_cpu else (10, 20, 50))] + [('ddpm', num_steps, 1)]
+    for name, steps, repeats in plan:
+        label = f"{({'ddim': 'DDIM', 'dpm++': 'DPM-Solver++', 'ddpm': 'DDPM'})[name]}-{steps}"
+        print(f'sampling: {label} ...', flush=True)
+        draw = functools.partial(diffusion.run_sampler, name, model, sched, shape, steps, generator, device)
+        try:
+            with autocast('bf16' if precision == 'bf16' else 'off', device):
+                timing = time_iterations(lambda step: draw(), device,
+                                         dataclasses.replace(bench, warmup=0, iters=repeats), label)
+            first, seconds = timing['compile_s'], timing['ms_per_iter'] / 1e3
+        except Exception as error:  # a sampler that fails here is reported, not fatal to the table
+            yield {'name': label, 'error': brief(error, 300)}
+            continue
+        tflops, peak = batch * steps * flops['forward'] / seconds / 1e12, peak_for(precision, device, bench)
+        yield {'name': label, 'steps': steps, 'batch_size': batch, 'precision': precision, 'settings': settings,
+               'seconds_per_batch': seconds, 'first_call_s': first, 'img_per_s': batch / seconds, 'tflops': tflops,
+               'mfu': tflops / peak if peak else None, 'seconds_for_50k': 50000 / (batch / seconds),
+               'timed_calls': repeats}
+    release(device)
+
+
+def time_loader(loader, num_batches: int, device: torch.device) -> float:
+    """Images per second a loader delivers to the device (the batch is consumed on the device)."""
+    stream = (x for epoch in range(10 ** 6) for x in loader.epoch(epoch))
+    checksum = torch.zeros((), device=device)
+    for _ in range(2):
+        checksum += next(stream).sum()  # warm-up: worker start, first epoch's order
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(num_batches):
+        checksum += next(stream)[:, :, 0, 0].sum()  # touch the batch on the device, cheaply
+    synchronize(device)
+    return num_batches * loader.batch_size / (time.perf_counter() - start)

@@ -1,16 +1,24 @@
-"""train.py's bookkeeping of progress, which a researcher rarely edits: the clock of training
-time (evaluations, grids and checkpoints left out), metrics.jsonl rows (and TensorBoard), the
-progress bar and curves.png."""
+"""train.py's log of a run, which a researcher rarely edits: the clock of training time
+(evaluations, grids and checkpoints left out), metrics.jsonl rows (and TensorBoard), the progress
+bar and curves.png (`Metrics`); and what the loop calls to log: the interval's loss and its
+held-out losses, the sample grids, the start and the end of a run. `run` is a train.Run."""
 import contextlib
+import math
 import os
+import shlex
+import sys
 import time
 from dataclasses import asdict
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import evaluation
-from devices import device_name, peak_tflops, precision_of, synchronize
+from cli import NonFiniteLoss, StopRequested, brief
+from devices import device_name, own_rng, peak_tflops, precision_of, synchronize
+from distributed import any_rank, on_all_ranks, ranks_identical
+from drawing import write_grid
 from files import JsonLines
 from model import count_flops, count_params
 from reports import provenance
@@ -122,3 +130,111 @@ class Metrics:
             row['first_step_s'] = self.first_step_s  # compilation and the first step, kept out of img/s
         self.restart_clock()
         return row
+
+
+# ----------------------------------------------------------------------------- what the loop calls
+
+def start_logging(run, step: int, train_seconds: float, wall_seconds: float = 0.0) -> tuple:
+    """(Metrics, the held-out set, the Evaluator or None). Their start-up work (held-out images,
+    Inception network, reference statistics) runs on every rank or on rank 0; if it fails on
+    any rank, every rank stops with an error instead of leaving the others in a collective."""
+    cfg = run.cfg
+
+    def make():  # the progress bar last: an error before it is one clean line
+        heldout = evaluation.make_heldout(cfg, run.device, run.sched.num_steps) if run.rank == 0 else None
+        evaluator = evaluation.Evaluator(run) if cfg.eval_every else None
+        return Metrics(run, step, run.total_steps, train_seconds, wall_seconds), heldout, evaluator
+    with own_rng(run.device):  # the Inception network draws its initial weights: not from training's streams
+        log, heldout, evaluator = on_all_ranks(make, run.control_group)
+    if evaluator is not None and evaluator.fid_left_out:
+        log.print(f'warning: FID is left out of the evaluations: {evaluator.fid_left_out}', file=sys.stderr)
+    held = {'heldout_size': len(heldout[0]) if heldout else None,
+            'eval_bpd_images': len(evaluator.images) if evaluator else None}
+    for name, count in held.items():
+        if count is not None and count < getattr(cfg, name):  # a split holds what it holds: said, not hidden
+            log.print(f'--{name.replace("_", "-")} {getattr(cfg, name)}: the held-out {cfg.dataset} split has '
+                      f'{count} images; all of them are used')
+    if evaluator is not None and any_rank(cfg.eval_fid and evaluator.extractor is None, run.control_group):
+        evaluator.extractor = evaluator.reference = None  # FID on every rank or on none
+    log.restart_clock()  # the reference statistics are not training time
+    return log, heldout, evaluator
+
+
+def interval_loss(run, loss_sum: torch.Tensor, steps: int, step: int, last_good) -> float:
+    """The mean loss of the last `steps` steps over all ranks: the host synchronisation of a log
+    interval. A non-finite one stops the run before anything is logged or saved."""
+    if run.world_size > 1:
+        loss_sum = loss_sum.clone()
+        dist.all_reduce(loss_sum)
+    mean_loss = loss_sum.item() / (steps * run.world_size)
+    if not math.isfinite(mean_loss):
+        raise NonFiniteLoss(f'the loss became {mean_loss} between steps {step - steps + 1} and {step}; stopping. '
+                            + (f'The last good checkpoint is {last_good}.' if last_good
+                               else 'No checkpoint was written by this run.'))
+    return mean_loss
+
+
+def log_interval(run, log, heldout, step: int, steps: int, mean_loss: float, lr: float, with_heldout: bool):
+    """A metrics.jsonl row: loss, speed and (unless a stop is under way) the held-out losses of
+    the model and the EMA, which a signal cuts short."""
+    row = log.train_row(step, steps, mean_loss, lr)
+    if heldout is not None and with_heldout:
+        with log.paused():
+            try:
+                with run.stop.interruptible(), own_rng(run.device):
+                    for key, model in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
+                        losses = evaluation.heldout_losses(model, run.sched, heldout, run.cfg, run.device)
+                        row[key] = losses.mean().item()
+            except StopRequested:  # cut short by a stop: the row without them
+                row.pop('heldout_loss', None)
+    log.write(row)
+    log.bar.set_postfix(loss=f'{mean_loss:.4f}', img_s=f"{row['img_per_s'] or 0:.0f}")
+    if run.cfg.eval_every:
+        log.draw_curves()
+    return row
+
+
+def write_sample_grid(run, log, path: str, step: int):
+    """A grid of EMA samples (rank 0); a failure to write it is a warning and training goes on."""
+    if run.ema is None:
+        return
+    with log.paused():
+        try:
+            with run.stop.interruptible(), own_rng(run.device):
+                write_grid(run.ema, run.sched, run.cfg, run.device, path)  # a row per class with --class-cond
+            log.grids.append(path)
+            log.out.image('samples', path, step * run.cfg.batch_size)
+        except StopRequested:
+            log.print(f'{path}: left out, a stop was requested')
+        except (OSError, RuntimeError) as error:  # a full disk; memory that a large grid runs out of
+            log.print(f'warning: could not write the sample grid {path} ({brief(error)}); training goes on',
+                      file=sys.stderr)
+
+
+def finish_run(run, step: int, stopped, log, ckpt_path: str) -> dict:
+    """The end of a run: the DDP weight check, and (unless stopped by a signal) the last grid."""
+    cfg = run.cfg
+    if run.world_size > 1:
+        identical = ranks_identical(run.model, run.control_group)
+        log.print(f'ranks hold identical weights: {identical}')
+        if not identical:
+            raise RuntimeError('DDP ranks ended with different weights')
+    result = {'step': step, 'stopped': stopped, 'last': log.last, 'checkpoint': ckpt_path}
+    if stopped:
+        launch = f'torchrun --nproc_per_node {run.world_size} train.py' if run.world_size > 1 else 'python train.py'
+        log.print(f'stopped by {stopped} at step {step}: checkpoint saved to {ckpt_path}; continue with '
+                  f'{launch} --resume {shlex.quote(ckpt_path)} (the run\'s settings are replayed from it)')
+        return result
+    per_epoch = run.loader.batches_per_epoch
+    if cfg.sample_every and (step % per_epoch or (step // per_epoch) % cfg.sample_every == 0):
+        name = f'epoch_{step // per_epoch:04d}.png' if step % per_epoch == 0 else f'step_{step:07d}.png'
+        write_sample_grid(run, log, os.path.join(cfg.samples_dir, name), step)
+    if cfg.eval_every:
+        log.draw_curves(force=True)
+    last, samples = log.last, f', samples in {cfg.samples_dir}/' if log.grids else ''
+    losses = ', '.join(f'{name} {last[key]:.4f}' for key, name in (('loss', 'loss'), ('heldout_loss', 'held-out loss'),
+                                                                    ('heldout_loss_ema', 'EMA')) if key in last)
+    seconds = log.wall_seconds()
+    log.write({'kind': 'done', 'step': step, 'wall_s': seconds, 'train_seconds': log.training_seconds()})
+    log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
+    return result

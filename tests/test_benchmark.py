@@ -515,7 +515,7 @@ def test_start_row_of_the_other_modes():
     cpu = torch.device('cpu')
     assert timing.start_row(benchmark.BenchConfig(), cpu).name.startswith('Device-resident data')
     assert timing.start_row(benchmark.BenchConfig(from_row='sdpa'), cpu).name == 'PyTorch SDPA'
-    with pytest.raises(benchmark.train.ConfigError, match='matches no row'):
+    with pytest.raises(benchmark.ConfigError, match='matches no row'):
         timing.start_row(benchmark.BenchConfig(from_row='warp drive'), cpu)
 
 

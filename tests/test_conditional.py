@@ -18,6 +18,7 @@ import data
 import diffusion
 import drawing
 import evaluation
+import loaders
 import sample
 import train
 
@@ -95,14 +96,14 @@ def test_every_loader_yields_each_images_own_label(kind, tmp_path):
         data.write_beton(dataset, str(tmp_path / 'l.beton'), num_workers=1)
         dataset = data.BetonDataset(str(tmp_path / 'l.beton'), labels=True)
         assert dataset.class_names == [str(c) for c in range(7)]
-    loader = data.make_loader(kind, dataset, 8, seed=3, device='cpu', num_workers=0, flip=False)
+    loader = loaders.make_loader(kind, dataset, 8, seed=3, device='cpu', num_workers=0, flip=False)
     seen = []
     for epoch in (0, 1):
         for images, labels in loader.epoch(epoch, start=1):
             assert labels.dtype == torch.long and torch.equal(labels, label_of_pixels(images))
             seen.append(labels)
     assert len(seen) == 2 * 7 and len(torch.cat(seen).unique()) == 7
-    unlabelled = data.make_loader(kind, data.ImageTensorDataset(dataset.images) if kind != 'ffcv' else
+    unlabelled = loaders.make_loader(kind, data.ImageTensorDataset(dataset.images) if kind != 'ffcv' else
                                   data.BetonDataset(str(tmp_path / 'l.beton')), 8, 3, 'cpu', 0)
     assert isinstance(next(unlabelled.epoch(0)), torch.Tensor)  # unconditional: images alone, as before
 

@@ -4,6 +4,7 @@ import torchvision
 from helpers import write_cifar10, write_image_folder
 
 import data
+import loaders
 
 
 def test_shapes_deterministic_and_structured():
@@ -21,10 +22,10 @@ def test_shapes_deterministic_and_structured():
 
 
 def test_epoch_order_depends_on_seed_and_epoch_only():
-    p0, f0 = data.epoch_order(10_000, seed=3, epoch=0)
-    p0b, f0b = data.epoch_order(10_000, seed=3, epoch=0)
-    p1, f1 = data.epoch_order(10_000, seed=3, epoch=1)
-    q0, _ = data.epoch_order(10_000, seed=4, epoch=0)
+    p0, f0 = loaders.epoch_order(10_000, seed=3, epoch=0)
+    p0b, f0b = loaders.epoch_order(10_000, seed=3, epoch=0)
+    p1, f1 = loaders.epoch_order(10_000, seed=3, epoch=1)
+    q0, _ = loaders.epoch_order(10_000, seed=4, epoch=0)
     assert torch.equal(p0, p0b) and torch.equal(f0, f0b)
     assert sorted(p0.tolist()) == list(range(10_000))  # every image once per epoch
     # Each epoch and each seed its own order: few images keep their place.
@@ -37,7 +38,7 @@ def test_epoch_order_depends_on_seed_and_epoch_only():
 
 def test_loader_epochs_differ_and_cover_the_set():
     images = torch.arange(64, dtype=torch.uint8).view(64, 1, 1, 1).expand(64, 3, 2, 2).contiguous()
-    loader = data.GPULoader(images, 8, seed=0, device='cpu')
+    loader = loaders.GPULoader(images, 8, seed=0, device='cpu')
     seen = []
     for epoch in range(2):
         batches = torch.cat(list(loader.epoch(epoch)))
@@ -49,8 +50,8 @@ def test_loader_epochs_differ_and_cover_the_set():
 def test_gpu_and_torch_loaders_yield_the_same_batches():
     images = data.make_shapes(50, 8)
     dataset = data.ImageTensorDataset(images)
-    gpu = data.GPULoader(images, 8, seed=0, device='cpu')
-    torch_loader = data.TorchLoader(dataset, 8, seed=0, device='cpu', num_workers=0)
+    gpu = loaders.GPULoader(images, 8, seed=0, device='cpu')
+    torch_loader = loaders.TorchLoader(dataset, 8, seed=0, device='cpu', num_workers=0)
     assert gpu.batches_per_epoch == torch_loader.batches_per_epoch == 6  # drop-last
     for epoch, start in [(0, 0), (1, 4)]:
         a, b = list(gpu.epoch(epoch, start)), list(torch_loader.epoch(epoch, start))
@@ -63,9 +64,9 @@ def test_gpu_and_torch_loaders_yield_the_same_batches():
 
 def test_loader_flips_and_scales_as_epoch_order_says():
     images = data.make_shapes(16, 8)
-    loader = data.GPULoader(images, 16, seed=5, device='cpu')
+    loader = loaders.GPULoader(images, 16, seed=5, device='cpu')
     (batch,) = list(loader.epoch(2))
-    permutation, flips = data.epoch_order(16, 5, 2)
+    permutation, flips = loaders.epoch_order(16, 5, 2)
     expected = images[permutation].float() / 127.5 - 1
     expected[flips] = expected[flips].flip(-1)
     assert torch.equal(batch, expected)
@@ -73,15 +74,15 @@ def test_loader_flips_and_scales_as_epoch_order_says():
 
 
 def test_resumed_epoch_continues_the_same_order():
-    loader = data.GPULoader(data.make_shapes(40, 8), 4, seed=0, device='cpu')
+    loader = loaders.GPULoader(data.make_shapes(40, 8), 4, seed=0, device='cpu')
     full = list(loader.epoch(0))
     assert all(torch.equal(a, b) for a, b in zip(full[3:], loader.epoch(0, start=3), strict=True))
 
 
 def test_torch_loader_with_workers():
     dataset = data.ImageTensorDataset(data.make_shapes(24, 8))
-    loader = data.TorchLoader(dataset, 4, seed=0, device='cpu', num_workers=2)
-    reference = data.GPULoader(dataset.images, 4, seed=0, device='cpu')
+    loader = loaders.TorchLoader(dataset, 4, seed=0, device='cpu', num_workers=2)
+    reference = loaders.GPULoader(dataset.images, 4, seed=0, device='cpu')
     for epoch in range(2):  # persistent workers across epochs
         assert all(torch.equal(a, b) for a, b in zip(loader.epoch(epoch), reference.epoch(epoch), strict=True))
 
@@ -90,7 +91,7 @@ def test_ranks_get_disjoint_shards_of_equal_length():
     n, batch = 37, 4
     seen = []
     for rank in range(2):
-        loader = data.Loader(n, batch, seed=0, rank=rank, world_size=2)
+        loader = loaders.Loader(n, batch, seed=0, rank=rank, world_size=2)
         indices, _ = loader.shard(0)
         assert len(indices) == loader.batches_per_epoch * batch == 16
         seen.append(set(indices.tolist()))
@@ -99,7 +100,7 @@ def test_ranks_get_disjoint_shards_of_equal_length():
 
 def test_batch_larger_than_data_set_is_an_error():
     with pytest.raises(data.DataError, match='larger than the data set'):
-        data.Loader(10, 11, seed=0)
+        loaders.Loader(10, 11, seed=0)
 
 
 def test_image_folder_converts_modes_and_sizes(tmp_path):
@@ -179,8 +180,8 @@ def test_cifar10_offline_without_a_copy_says_what_to_do(tmp_path, monkeypatch):
 
 def test_choose_loader():
     dataset = data.ImageTensorDataset(data.make_shapes(4, 8))
-    assert data.choose_loader('torch', len(dataset) * dataset[0].numel(), 'cpu') == 'torch'
-    assert data.choose_loader('auto', len(dataset) * dataset[0].numel(), 'cpu') == 'gpu'  # tiny set: device-resident
+    assert loaders.choose_loader('torch', len(dataset) * dataset[0].numel(), 'cpu') == 'torch'
+    assert loaders.choose_loader('auto', len(dataset) * dataset[0].numel(), 'cpu') == 'gpu'  # tiny set: device-resident
 
 
 def test_sixteen_bit_grayscale_keeps_its_levels(tmp_path):

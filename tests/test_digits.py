@@ -13,6 +13,7 @@ from torchvision.transforms.functional import gaussian_blur
 
 import data
 import evaluation
+import loaders
 import sample
 import train
 
@@ -59,7 +60,7 @@ def test_the_split_is_fixed_stratified_and_holds_every_digit_once():
 def test_digits_train_one_channel_without_flips(tmp_path):
     dataset = data.load_dataset('digits', str(tmp_path), 16)
     assert torch.equal(dataset.images, digits(False)[0])
-    loader = data.make_loader('gpu', dataset, 8, 0, 'cpu', flip=data.flipped_in_training('digits'))
+    loader = loaders.make_loader('gpu', dataset, 8, 0, 'cpu', flip=data.flipped_in_training('digits'))
     permutation, _ = loader.shard(0)
     first = next(loader.epoch(0))
     assert first.shape == (8, 1, 16, 16)

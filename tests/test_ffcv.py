@@ -3,6 +3,7 @@ import torch
 from helpers import train_args
 
 import data
+import loaders
 import train
 
 ffcv = pytest.importorskip('ffcv', reason='the optional FFCV extra is not installed (see requirements-ffcv.txt)')
@@ -30,8 +31,8 @@ def test_jpeg_beton_is_close(tmp_path):
 
 
 def test_ffcv_loader_yields_the_same_batches_as_the_others(beton):
-    loader = data.FFCVLoader(data.BetonDataset(beton), 8, seed=0, device='cpu', num_workers=2)
-    reference = data.GPULoader(data.make_shapes(96, 16), 8, seed=0, device='cpu')
+    loader = loaders.FFCVLoader(data.BetonDataset(beton), 8, seed=0, device='cpu', num_workers=2)
+    reference = loaders.GPULoader(data.make_shapes(96, 16), 8, seed=0, device='cpu')
     for epoch, start in [(0, 0), (1, 5)]:
         ours, theirs = list(loader.epoch(epoch, start)), list(reference.epoch(epoch, start))
         assert len(ours) == len(theirs) == 12 - start

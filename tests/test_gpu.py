@@ -8,6 +8,7 @@ from helpers import train_args
 
 import cli
 import data
+import loaders
 import train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
@@ -54,6 +55,6 @@ def test_compiled_mixed_precision_trains(tmp_path, amp):
 
 def test_gpu_and_torch_loaders_agree_on_cuda():
     images = data.make_shapes(64, 16)
-    gpu = data.GPULoader(images, 16, seed=0, device='cuda')
-    dl = data.TorchLoader(data.ImageTensorDataset(images), 16, seed=0, device='cuda', num_workers=2)
+    gpu = loaders.GPULoader(images, 16, seed=0, device='cuda')
+    dl = loaders.TorchLoader(data.ImageTensorDataset(images), 16, seed=0, device='cuda', num_workers=2)
     assert all(torch.equal(a, b) for a, b in zip(gpu.epoch(0), dl.epoch(0), strict=True))

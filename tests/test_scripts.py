@@ -1,5 +1,6 @@
 """The scripts under scripts/, each run end to end in its quick form: the samplers' accuracy
 study and the digits score's checks (the time-to-quality ladder: test_time_to_quality.py)."""
+import dataclasses
 import json
 import os
 
@@ -7,10 +8,10 @@ import digits_figure
 import digits_score
 import pytest
 import solver_accuracy
-import time_to_quality
 from helpers import refusal, train_args
 
 import train
+from time_to_quality import ladder
 
 
 def test_solver_accuracy_against_exact_answers(tmp_path):
@@ -83,17 +84,17 @@ def test_a_stop_of_the_resampled_score_keeps_the_seeds_scored(tmp_path, monkeypa
     (digits_figure, ['--ckpt', 'x.pt', '--out', 'a-file/fig.png'], '--out a-file: cannot write there'),
     (digits_figure, ['--ckpt', 'missing.pt', '--out', 'new/fig.png'], 'missing.pt'),  # new/ is not created
     (digits_score, ['--image-size', '8', '--data-dir', 'a-file/cache'], '--data-dir a-file/cache: cannot write'),
-    (time_to_quality, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
-    (time_to_quality, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
+    (ladder, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
+    (ladder, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
     (digits_score, ['--bogus'], 'unrecognized arguments'),
     (digits_score, ['--resamples', '3'], '--resamples 3 resamples a checkpoint: pass --ckpt'),  # not ignored
     (digits_score, ['--ckpt', 'x.pt', '--resamples', '99999999999'], '--resamples must be in [2, 1000]'),
     (solver_accuracy, ['--sample-batch', '0'], '--sample-batch must be at least 1'),
     (solver_accuracy, ['--stem', 'a/b'], 'a plain file name'),
-    (time_to_quality, ['--eval-samples', '1'], '--eval-samples must be at least 2'),
-    (time_to_quality, ['--workers', '0'], '--workers must be at least 1'),
-    (time_to_quality, ['--images', '100'], 'before its first evaluation'),
-    (time_to_quality, ['--stem', '../x'], 'a plain file name'),
+    (ladder, ['--eval-samples', '1'], '--eval-samples must be at least 2'),
+    (ladder, ['--workers', '0'], '--workers must be at least 1'),
+    (ladder, ['--images', '100'], 'before its first evaluation'),
+    (ladder, ['--stem', '../x'], 'a plain file name'),
 ])
 def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args, expected, tmp_path, capsys,
                                                                      monkeypatch):
@@ -112,13 +113,19 @@ def test_the_readme_runs_the_demo_command_that_time_demo_times():
     import shlex
 
     import time_demo
+    import train_config
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for page in ('README.md', 'docs/training.md'):  # the README's command, and the copy in the CPU demo's page
         text = open(os.path.join(root, page)).read()
-        command = re.search(r'python train\.py --dataset digits .*?(?<!\\)\n', text, re.S).group(0)
-        words = shlex.split(command.split('#')[0].replace('\\\n', ' '))
-        assert words[:2] == ['python', 'train.py'] and words[2:] == time_demo.DEMO_FLAGS, page
-    train.check_flags(time_demo.DEMO_FLAGS)  # flags train.py takes
+        command = re.search(r'python train\.py --recipe .*?\n', text).group(0)
+        assert shlex.split(command.split('#')[0]) == ['python', 'train.py', *time_demo.DEMO_FLAGS], page
+    # The flags the recipe stands for, as docs/training.md writes them out.
+    text = open(os.path.join(root, 'docs/training.md')).read()
+    command = re.search(r'python train\.py --dataset digits .*?(?<!\\)\n', text, re.S).group(0)
+    assert shlex.split(command.replace('\\\n', ' '))[2:] == list(train_config.RECIPES['digits-demo'])
+    recipe = train.check_flags(time_demo.DEMO_FLAGS)
+    assert recipe.recipe == 'digits-demo'
+    assert dataclasses.replace(recipe, recipe='') == train.check_flags(list(train_config.RECIPES['digits-demo']))
 
 
 def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(tmp_path, monkeypatch, capsys):
@@ -232,3 +239,20 @@ def test_no_committed_result_or_page_names_a_local_path():
                                                                   if p.suffix in ('.md', '.json', '.jsonl', '.log'))]
     named = [f'{p.relative_to(root)}: {m.group(0)}' for p in pages for m in local.finditer(p.read_text())]
     assert not named, named[:10]
+
+
+def test_reports_name_no_path_of_the_machine_that_made_them(tmp_path):
+    # write_report keeps a path inside the repository relative to it, and one elsewhere (a scratch folder,
+    # a checkpoint on another disk) as its last two parts: nothing a reader cannot use.
+    import reports
+    outside = str(tmp_path / 'runs' / 'teacher' / 'ckpt.pt')
+    inside = os.path.join(reports.ROOT, 'results', 'x.md')
+    result = {'device': 'cpu', 'torch': '2', 'date': 'today', 'commit': 'abc', 'command': f'python x.py --ckpt {outside}',
+              'config': {'ckpt': outside, 'out_dir': inside, 'url': 'https://example.org/tmp/kept'}}
+    reports.write_report(str(tmp_path), 'r', result, f'Study of {outside}', f'| {outside} |', notes=f'; {inside}')
+    for name in ('r.json', 'r.md'):
+        text = (tmp_path / name).read_text()
+        assert str(tmp_path) not in text and '.../teacher/ckpt.pt' in text and 'results/x.md' in text, text
+        assert reports.ROOT not in text
+    assert 'https://example.org/tmp/kept' in (tmp_path / 'r.json').read_text()  # not a path of this machine
+    assert json.loads((tmp_path / 'r.json').read_text())['config']['out_dir'] == os.path.join('results', 'x.md')

@@ -1,10 +1,11 @@
-"""scripts/time_to_quality.py: the ladder of training minutes to a score. End to end on a tiny budget,
-reach, the keep rule and the intervals on hand-made runs, the fair peer's data, the reuse rule of a
+"""time_to_quality/ (python -m time_to_quality): the ladder of training minutes to a score. End to end on
+a tiny budget, reach, the keep rule and the intervals on hand-made runs, the fair peer's data, the reuse rule of a
 finished curve and its refusals (damaged, impossible or edited files, another ladder's runs, another
 target, other flags or code; --retrain), stops at any moment, workers that die with the ladder, and bad
 input refused before any run."""
 import dataclasses
 import json
+import loaders
 import math
 import os
 import signal
@@ -18,9 +19,10 @@ import pytest
 import torch
 from helpers import refusal
 
-import ladder_stats as stats
-import time_to_quality as ttq
 import train
+import train_config
+from time_to_quality import ladder as ttq
+from time_to_quality import recompute, speed, stats
 
 TINY = ['--images', '64', '--speed-rounds', '3', '--speed-steps', '1', '--screen-images', '64', '--easy-at', '32',
         '--eval-every', '32', '--eval-samples', '8', '--sample-steps', '2', '--seeds', '2', '--lever-seeds', '2']
@@ -96,13 +98,12 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
     # The same command again, even with an empty runs folder (another machine), trains nothing.
     monkeypatch.setattr(train, 'cli', lambda argv: pytest.fail('a finished run was trained again'))
     monkeypatch.setattr(ttq, 'recipe_arm', lambda *args: pytest.fail('a finished recipe run was trained again'))
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kw: pytest.fail('a lever was timed again'))
+    monkeypatch.setattr(speed, 'interleave', lambda *args, **kw: pytest.fail('a lever was timed again'))
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction', '--runs-dir',
                                 str(tmp_path / 'elsewhere'))) == 0
     assert json.loads((tmp_path / 'out' / 'ladder.json').read_text())['runs'] == result['runs']
-    # The report recomputed from the curves alone (scripts/ladder_report.py): the same decisions.
-    import ladder_report
-    assert ladder_report.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction')) == 0
+    # The report recomputed from the curves alone (python -m time_to_quality.recompute): the same decisions.
+    assert recompute.main(ladder_args(tmp_path, '--arms', '+ channels-last,+ v-prediction')) == 0
     again = json.loads((tmp_path / 'out' / 'ladder.json').read_text())
     assert again['levers'] == result['levers'] and again['runs'] == result['runs']
 
@@ -192,23 +193,22 @@ def timing(lever_rates, below_rates, lever_warmup=1.0, below_warmup=1.0):
 def test_a_timed_speed_lever_pays_its_warm_up_once_over_the_planned_run():
     # A compile-like lever: 120 s of warm-up, then 1.2x the rate of the arm below (whose warm-up is its 10
     # steps at its own rate). Over 400,000 planned images it wins, over 10,000 it loses; each round a pair.
-    import ladder_speed
     below = [100.0, 90.0, 110.0, 95.0, 105.0]
     lever = [120.0, 110.0, 130.0, 112.0, 128.0]
     saved = timing(lever, below, lever_warmup=120.0, below_warmup=2.0 + 10 * 32 / 100.0)
     start = 120.0 - 10 * 32 / statistics.median(lever)
-    assert ladder_speed.start_seconds(120.0, lever, 32, 10) == pytest.approx(start)
-    assert ladder_speed.start_seconds(2.0 + 10 * 32 / 100.0, below, 32, 10) == pytest.approx(2.0)
-    assert ladder_speed.start_seconds(1.0, below, 32, 10) == 0.0  # never below 0
+    assert speed.start_seconds(120.0, lever, 32, 10) == pytest.approx(start)
+    assert speed.start_seconds(2.0 + 10 * 32 / 100.0, below, 32, 10) == pytest.approx(2.0)
+    assert speed.start_seconds(1.0, below, 32, 10) == 0.0  # never below 0
     for planned, kept in ((400_000, True), (10_000, False)):
-        got = ladder_speed.decide(saved, planned, screen=3, confirm=5)
+        got = speed.decide(saved, planned, screen=3, confirm=5)
         gains = [planned / (start + planned / m) - planned / (2.0 + planned / b) for m, b in zip(lever, below)]
         assert got['gains'] == pytest.approx(gains) and got['kept'] is kept and got['n'] == 5
     logs = [math.log(m / b) for m, b in zip(lever, below)]
     assert got['timed']['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
     half = 2.776445105 * statistics.stdev(logs) / math.sqrt(5)
     assert got['timed']['low'] == pytest.approx(math.exp(statistics.mean(logs) - half))
-    assert ladder_speed.decide(timing(lever[:3], below[:3]), 400_000, 3, 5)['status'] == 'pending'
+    assert speed.decide(timing(lever[:3], below[:3]), 400_000, 3, 5)['status'] == 'pending'
 
 
 def fake_interleave(calls, faster=1.0):
@@ -223,7 +223,7 @@ def fake_interleave(calls, faster=1.0):
 
 def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', fake_interleave(calls, faster=1.2))
+    monkeypatch.setattr(speed, 'interleave', fake_interleave(calls, faster=1.2))
     monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': j.identity(), **curve_in_images(300, 600)}
                                                              for j in jobs])
     cfg = ttq.LadderConfig(arms='+ channels-last', seeds=3, lever_seeds=3, images=1000, screen_images=200,
@@ -247,8 +247,7 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
             assert '\n' not in str(error.value) and '--retrain channels-last-speed' in str(error.value)
     refused('timed with other settings: rounds 10 (now 11)', dataclasses.replace(cfg, speed_rounds=11))
     refused('timed with other settings: steps 30 (now 31)', dataclasses.replace(cfg, speed_steps=31))
-    from ladder_curves import sealed
-    path.write_text(json.dumps(sealed({**saved, 'below': {'name': 'baseline', 'flags': ['--amp', 'bf16']}})))
+    path.write_text(json.dumps(ttq.sealed({**saved, 'below': {'name': 'baseline', 'flags': ['--amp', 'bf16']}})))
     with pytest.raises(ttq.ConfigError, match='timed other arms: below'):  # the scan has no arms; the ladder has
         ttq.climb(cfg, 10.0, ttq.StopFlag(), identity)
     path.write_text(json.dumps(saved))
@@ -262,7 +261,7 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
     monkeypatch.setattr(ttq, 'code_identity', lambda: {'hash': 'other', 'commit': 'x'})
     refused('made by other code (hash ')
     # --retrain names it: timed again, its file replaced (here, no faster: not kept).
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', fake_interleave(calls, faster=1.0))
+    monkeypatch.setattr(speed, 'interleave', fake_interleave(calls, faster=1.0))
     again = ttq.climb(dataclasses.replace(cfg, retrain='channels-last-speed'), 10.0, ttq.StopFlag(), identity)
     assert len(calls) == 2 and not again['decisions']['+ channels-last']['kept']
     assert json.loads(path.read_text())['code']['hash'] == ttq.timing_code()['hash'] != saved['code']['hash']
@@ -270,12 +269,10 @@ def test_a_speed_timing_is_reused_or_refused_in_one_line_like_a_curve(monkeypatc
 
 def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing(monkeypatch, tmp_path):
     import types
-
-    import ladder_speed
-    monkeypatch.setattr(ladder_speed, 'build', lambda flags, *args: (types.SimpleNamespace(
+    monkeypatch.setattr(speed, 'build', lambda flags, *args: (types.SimpleNamespace(
         cfg=types.SimpleNamespace(batch_size=32)), None))
-    monkeypatch.setattr(ladder_speed.data, 'load_dataset', lambda *args, **kwargs: None)
-    monkeypatch.setattr(ladder_speed, 'timed', lambda *args: 100.0)
+    monkeypatch.setattr(speed.data, 'load_dataset', lambda *args, **kwargs: None)
+    monkeypatch.setattr(speed, 'timed', lambda *args: 100.0)
     for at in (0, 1, 3, 5):  # in the builds, the warm-ups, the first round, a later round
         stopped, calls = types.SimpleNamespace(reason=None), []
 
@@ -288,16 +285,16 @@ def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing
             calls.append('timed')
             stopped.reason = 'SIGTERM' if len(calls) > at else None
             return 100.0
-        monkeypatch.setattr(ladder_speed, 'build', building)
-        monkeypatch.setattr(ladder_speed, 'timed', timing)
-        assert ladder_speed.interleave({'a': [], 'b': []}, ['--device', 'cpu'], torch.device('cpu'), 3, 1,
+        monkeypatch.setattr(speed, 'build', building)
+        monkeypatch.setattr(speed, 'timed', timing)
+        assert speed.interleave({'a': [], 'b': []}, ['--device', 'cpu'], torch.device('cpu'), 3, 1,
                                        stop=stopped, say=lambda line: None) is None
         assert len(calls) == max(at + 1, 1), (at, calls)  # nothing more once the signal came
     monkeypatch.setattr(ttq, 'run_all', lambda jobs, *args: [{'run': j.identity(), **curve_in_images(300, 600)}
                                                              for j in jobs])
     cfg = ttq.LadderConfig(arms='+ channels-last', seeds=3, lever_seeds=3, images=1000, screen_images=200,
                            easy_at=200, out_dir=str(tmp_path))
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kwargs: None)  # a signal mid-timing
+    monkeypatch.setattr(speed, 'interleave', lambda *args, **kwargs: None)  # a signal mid-timing
     assert ttq.climb(cfg, 10.0, ttq.StopFlag(), {}) is None
     assert not os.path.exists(tmp_path / 'cpu-digits-time-to-quality-runs' / 'channels-last-speed.json')
     done = ttq.climb(dataclasses.replace(cfg, train='baseline'), 10.0, ttq.StopFlag(), {})
@@ -305,14 +302,14 @@ def test_a_stop_during_a_timing_writes_nothing_and_a_part_not_trained_is_missing
 
 
 def test_a_timings_code_is_the_runs_and_its_own(monkeypatch, tmp_path, root):
-    # An edit of ladder_speed.py (how a timing is made) changes the hash its timings are reused under.
+    # An edit of speed.py (how a timing is made) changes the hash its timings are reused under.
     import shutil
-    (tmp_path / 'scripts').mkdir()
-    shutil.copy(os.path.join(root, 'scripts', 'ladder_speed.py'), tmp_path / 'scripts')
+    (tmp_path / 'time_to_quality').mkdir()
+    shutil.copy(os.path.join(root, 'time_to_quality', 'speed.py'), tmp_path / 'time_to_quality')
     before = ttq.timing_code()
     monkeypatch.setattr(ttq, 'ROOT', str(tmp_path))
     assert ttq.timing_code() == before and before['hash'] != ttq.code_identity()['hash']
-    with open(tmp_path / 'scripts' / 'ladder_speed.py', 'a') as f:
+    with open(tmp_path / 'time_to_quality' / 'speed.py', 'a') as f:
         f.write('\nWARMUP_STEPS = 20\n')
     assert ttq.timing_code()['hash'] != before['hash']
 
@@ -335,7 +332,7 @@ def test_a_pending_lever_of_short_runs_is_confirmed_by_a_new_ladder(monkeypatch,
             path = ttq.curve_path(ttq.Job(arm, seed, cfg.speed_images, 10.0), cfg)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             open(path, 'w').write('{}')
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', lambda *args, **kwargs: pytest.fail('timed, not read'))
+    monkeypatch.setattr(speed, 'interleave', lambda *args, **kwargs: pytest.fail('timed, not read'))
     done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {}, dry=True, trains=set())
     decision = ttq.record(done, cfg, None)['levers']['+ channels-last']
     assert (decision['status'], decision['n'], 'timed' in decision) == ('pending', 3, False)
@@ -365,7 +362,7 @@ def test_a_lever_that_wins_at_one_target_and_loses_at_the_other_follows_the_targ
         return {'img_per_s': {'baseline': [100.0 + r for r in range(rounds)],
                               '+ channels-last': [100.0 + r - (-1) ** r for r in range(rounds)]},
                 'warmup_s': {'baseline': 1.0, '+ channels-last': 1.0}, 'batch': {'baseline': 32, '+ channels-last': 32}}
-    monkeypatch.setattr(ttq.ladder_speed, 'interleave', interleave)
+    monkeypatch.setattr(speed, 'interleave', interleave)
     cfg = ttq.LadderConfig(arms='+ channels-last,+ v-prediction,+ Min-SNR-5', seeds=4, lever_seeds=3, images=1000,
                            screen_images=200, easy_at=200, out_dir=str(tmp_path))
     done = ttq.climb(cfg, 10.0, ttq.StopFlag(), {})
@@ -473,22 +470,23 @@ def test_the_recipe_loader_on_digits_gives_our_images_unmirrored(tmp_path):
                                                                  flip=flip)]))
     mine = sorted(ours[i].numpy().tobytes() for i in range(len(ours)))
     assert recipe(flip=data.flipped_in_training('digits')) == mine  # the same 1,347 images, none mirrored
-    loader = data.make_loader('gpu', ours, 449, 0, 'cpu', flip=data.flipped_in_training('digits'))
+    loader = loaders.make_loader('gpu', ours, 449, 0, 'cpu', flip=data.flipped_in_training('digits'))
     assert as_bytes(torch.cat(list(loader.epoch(0, 0)))) == mine  # as our runs see them
     assert recipe(flip=True) != mine  # the example's --random_flip would mirror about half of them
 
 
 def test_the_recipes_ema_is_judged_through_our_network_as_the_same_function():
     import diffusers_io
-    import ladder_recipe
+    import peers
     from model import get_config
+    from time_to_quality import recipe
     config = get_config('tiny', image_size=16, in_channels=1)
     torch.manual_seed(0)
-    parts = diffusers_io.recipe_parts(config, torch.device('cpu'), 4, 'off', total_steps=4)
+    parts = peers.recipe_parts(config, torch.device('cpu'), 4, 'off', total_steps=4)
     for p in parts['unet'].parameters():  # weights far from their initial values, so that every one counts
         p.data.normal_(0, 0.05)
     parts['ema'].step(parts['unet'].parameters())
-    ours = ladder_recipe.ema_as_our_unet(parts, config).double()
+    ours = recipe.ema_as_our_unet(parts, config).double()
     from diffusers import UNet2DModel
     theirs = UNet2DModel(**diffusers_io.diffusers_config(config))
     parts['ema'].copy_to(theirs.parameters())
@@ -722,7 +720,6 @@ def test_the_committed_report_is_the_keep_rule_on_the_committed_curves(root, mon
 def test_a_training_command_refuses_a_curve_recorded_before_code_hashes(tmp_path, capsys, monkeypatch, baseline_part):
     # A curve without its code's hash (as the committed ones) makes reports; a command that would train a
     # run beside it is refused in one line naming it, with nothing trained or written.
-    import ladder_report
     copy_part(baseline_part, tmp_path)
     path = tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json'
     saved = json.loads(path.read_text())
@@ -737,7 +734,7 @@ def test_a_training_command_refuses_a_curve_recorded_before_code_hashes(tmp_path
     assert snapshot(tmp_path) == before
     # Commands that train nothing read it: the finished part's report, and the report recomputed alone.
     assert ttq.main(ladder_args(tmp_path, '--arms', '+ channels-last', '--train', 'baseline')) == 0
-    assert ladder_report.main(ladder_args(tmp_path, '--arms', '+ channels-last')) == 0
+    assert recompute.main(ladder_args(tmp_path, '--arms', '+ channels-last')) == 0
     markdown = (tmp_path / 'out' / 'ladder.md').read_text()
     assert 'seed 1: ' in markdown and '(no hash)' in markdown and ttq.code_identity()['hash'] in markdown
 
@@ -820,19 +817,19 @@ def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capabil
     import devices
     cpu = torch.device('cpu')
     every_lever = {'amp': 'bf16', 'compile': True, 'channels_last': True, 'fused_adam': True}
-    monkeypatch.setattr(train, 'CPU_FAST_PATH', every_lever)  # so that either way is seen, whatever the table holds
+    monkeypatch.setattr(train_config, 'CPU_FAST_PATH', every_lever)  # so that either way is seen, whatever the table holds
 
     def defaults():
         cfg = train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu)
         return {name: getattr(cfg, name) for name in every_lever}
-    for module in (devices, train, ttq):
+    for module in (devices, train_config, ttq):
         monkeypatch.setattr(module, 'cpu_has_native_bf16', lambda: False)
     assert defaults() == {'amp': 'off', 'compile': False, 'channels_last': False, 'fused_adam': False}
     code, err = refusal(capsys, train.cli, ['--device', 'cpu', '--amp', 'bf16', '--preset', 'tiny', '--out-dir',
                                             str(tmp_path / 'run')])
     assert code == 2 and 'no native bf16' in err and not (tmp_path / 'run').exists()
     assert '+ bf16' not in [lv.name for lv in ttq.speed_levers(cpu, ttq.LadderConfig())]
-    monkeypatch.setattr(train, 'cpu_has_native_bf16', lambda: True)
+    monkeypatch.setattr(train_config, 'cpu_has_native_bf16', lambda: True)
     monkeypatch.setattr(ttq, 'cpu_has_native_bf16', lambda: True)
     assert defaults() == every_lever
     given = train.resolve_defaults(train.TrainConfig(preset='tiny', amp='off', compile=False), cpu)
@@ -840,14 +837,16 @@ def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capabil
     assert '+ bf16' in [lv.name for lv in ttq.speed_levers(cpu, ttq.LadderConfig())]
 
 
-def _script(root, tmp_path, *extra):
-    return [sys.executable, os.path.join(root, 'scripts', 'time_to_quality.py'), *ladder_args(tmp_path), *extra]
+def _script(root, tmp_path, *extra):  # run from the repository's root (cwd=root), as python -m runs a package
+    return [sys.executable, '-m', 'time_to_quality', *ladder_args(tmp_path), *extra]
 
 
 def test_a_failing_run_in_a_worker_ends_the_ladder_at_once(tmp_path, root, baseline_part):
     # A run's folder is still written by a live process (here: this test's): the worker refuses to delete or
-    # share it, and its failure ends the ladder: one line naming the run, exit 1, no hang, no report.
-    args = _script(root, tmp_path, '--arms', '+ channels-last', '--train', 'baseline')
+    # share it, and its failure ends the ladder: one line naming the run, exit 1, no hang, no report. Run
+    # through the old command, scripts/time_to_quality.py (a shim of python -m time_to_quality): it still runs.
+    args = [sys.executable, os.path.join(root, 'scripts', 'time_to_quality.py'), *ladder_args(tmp_path), '--arms',
+            '+ channels-last', '--train', 'baseline']
     copy_part(baseline_part, tmp_path)
     (tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json').unlink()
     for suffix in ('json', 'md', 'png'):  # the report of the finished part
@@ -867,7 +866,7 @@ def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_pa
     args = _script(root, tmp_path, '--arms', '+ channels-last', '--images', '1600',
                    '--screen-images', '1600', '--eval-every', '800', '--easy-at', '800', '--seeds', '2',
                    '--lever-seeds', '2')  # two seeds: the rerun's part stays short
-    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=root)
     metrics = tmp_path / 'runs' / 'baseline-1600-seed0' / 'metrics.jsonl'
     deadline = time.time() + 120
     while not (metrics.exists() and '"kind": "eval"' in metrics.read_text()) and time.time() < deadline:
@@ -878,7 +877,7 @@ def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_pa
     assert not (tmp_path / 'out' / 'ladder.json').exists()  # nothing built on a cut run
     assert not (tmp_path / 'out' / 'ladder-runs').exists()
     assert not (tmp_path / 'runs' / 'baseline-1600-seed1').exists()  # the ladder did not go on
-    rerun = subprocess.run(args + ['--train', 'baseline'], capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(args + ['--train', 'baseline'], capture_output=True, text=True, timeout=300, cwd=root)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     curve = json.loads((tmp_path / 'out' / 'ladder-runs' / 'baseline-1600-seed0.json').read_text())
     assert [p['images'] for p in curve['curve']] == [800, 1600]
@@ -906,7 +905,7 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
                    '1600', '--screen-images', '1600', '--eval-every', '800',
                    '--easy-at', '800', '--seeds', '2', '--lever-seeds', '2')  # the two runs the workers hold
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
-    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=root)
     started = [tmp_path / 'runs' / f'baseline-1600-seed{s}' / 'metrics.jsonl' for s in (0, 1)]
     deadline = time.time() + 180
     while not all(m.exists() and '"kind": "train"' in m.read_text() for m in started) and time.time() < deadline:
@@ -919,7 +918,7 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
     while any(alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(alive(p) for p in workers), 'a worker trained on after its ladder was killed'
-    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+    rerun = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env, cwd=root)
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     for seed in (0, 1):
         rows = [json.loads(x) for x in (tmp_path / 'runs' / f'baseline-1600-seed{seed}' / 'metrics.jsonl').open()]
@@ -928,10 +927,12 @@ def test_workers_die_with_a_killed_ladder_and_the_rerun_reports_no_mixed_run(tmp
         assert [p['images'] for p in curve] == [800, 1600]
 
 
-def test_each_lever_changes_the_settings_it_names_and_no_other():
+def test_each_lever_changes_the_settings_it_names_and_no_other(monkeypatch):
     # The arms are data: a typo in one (a flag that means something else, a value off by ten) would
     # measure another lever under its name. Each lever's resolved config differs from the ladder's
-    # common one in exactly the fields below.
+    # common one in exactly the fields below (on a CPU without native bf16, so that no speed lever is
+    # already a default of this machine).
+    monkeypatch.setattr(train_config, 'cpu_has_native_bf16', lambda: False)
     cfg = ttq.LadderConfig()
     base = dataclasses.asdict(ttq.ours(cfg))
     expected = {'+ channels-last': {'channels_last': True}, '+ fused Adam': {'fused_adam': True},

@@ -21,7 +21,9 @@ import diffusion
 import drawing
 import evaluation
 import files
+import loaders
 import train
+import training_log
 from model import AttnBlock, UNet, get_config
 
 
@@ -132,7 +134,7 @@ def test_train_step_is_the_papers_step():
             e.copy_(p + 0.05 * torch.randn_like(p))
     model, ema = copy.deepcopy(run.model), copy.deepcopy(run.ema)
     optimizer = torch.optim.Adam(model.parameters())
-    x0 = data.to_model_input(data.make_shapes(4, 16), torch.zeros(4, dtype=torch.bool)).double()
+    x0 = loaders.to_model_input(data.make_shapes(4, 16), torch.zeros(4, dtype=torch.bool)).double()
     clipped = 0
     for step in range(4):
         state = torch.get_rng_state()
@@ -697,7 +699,7 @@ def test_resume_from_a_file_that_is_no_checkpoint(tmp_path, capsys):
 def test_failing_grid_costs_no_checkpoint(tmp_path, monkeypatch, capsys, failure):
     def disk_full(*args, **kwargs):  # a full disk, or a grid too large for memory
         raise failure
-    monkeypatch.setattr(train, 'write_grid', disk_full)
+    monkeypatch.setattr(training_log, 'write_grid', disk_full)
     assert run(tmp_path, '--epochs', '2') == 0  # a grid at each epoch's end
     captured = capsys.readouterr()
     assert captured.err.count('could not write the sample grid') == 2 and 'samples in' not in captured.out
@@ -715,8 +717,8 @@ def test_logged_speed_leaves_out_grids_checkpoints_and_compilation(tmp_path, mon
             offset[0] += 1000.0
             return real(*args, **kwargs)
         return wrapper
-    monkeypatch.setattr(train, 'write_grid', slow(train.write_grid))
-    monkeypatch.setattr(train, 'save_checkpoint', slow(train.save_checkpoint))
+    monkeypatch.setattr(training_log, 'write_grid', slow(training_log.write_grid))
+    monkeypatch.setattr(checkpoint, 'save_checkpoint', slow(checkpoint.save_checkpoint))
     monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
     monkeypatch.setattr(evaluation, 'reference_statistics', slow(evaluation.reference_statistics))
     monkeypatch.setattr(evaluation, 'bits_per_image', slow(evaluation.bits_per_image))
@@ -746,7 +748,7 @@ def test_mfu_is_per_gpu(monkeypatch):
     cfg = train.resolve_defaults(train.TrainConfig(preset='tiny', dataset='shapes', shapes_count=64, image_size=16,
                                                    batch_size=8, device='cpu', out_dir='unused'), cpu)
     run = train.build_run(cfg, cpu, progress=False)
-    from metrics import Metrics
+    from training_log import Metrics
     log = Metrics(dataclasses.replace(run, world_size=2, rank=1), 0, 10)  # rank 1 writes nothing
     log.peak = 1.0  # TFLOP/s
     log.untimed_steps, log.interval_start = 0, time.perf_counter() - 2.0
@@ -759,13 +761,15 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 def test_modules_import_only_the_layers_below_them():
     # cli at the bottom; the plumbing (files, devices, ranks, reports); then the model, the maths and the
-    # data; diffusers' formats; our checkpoints; drawing images; evaluation; sampling and training's
-    # bookkeeping; training; the step's bound and its profile; the benchmark. The Triton kernels sit
-    # under the model, which calls them.
+    # data sets; the loaders and diffusers' formats; drawing images and the peers; evaluation; our
+    # checkpoints (saved only once evaluation's checks pass); sampling, training's config and log; training
+    # and distillation; the step's bound and its profile; the benchmark. The Triton kernels sit under the
+    # model, which calls them.
     import ast
     layer = {'cli': 0, 'kernels': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3,
-             'diffusion': 3, 'data': 3, 'diffusers_io': 4, 'checkpoint': 5, 'drawing': 6, 'evaluation': 7,
-             'sample': 8, 'metrics': 8, 'train': 9, 'roofline': 10, 'timing': 10, 'profiling': 11, 'benchmark': 12}
+             'diffusion': 3, 'data': 3, 'loaders': 4, 'diffusers_io': 4, 'drawing': 5, 'peers': 5, 'evaluation': 6,
+             'checkpoint': 7, 'sample': 8, 'train_config': 8, 'training_log': 8, 'train': 9, 'distill': 9,
+             'roofline': 10, 'timing': 10, 'profiling': 11, 'benchmark': 12}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
