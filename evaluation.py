@@ -658,7 +658,8 @@ def evaluate(run, evaluator, log, step: int) -> dict | None:
         fid = f", FID {row['fid']:.2f} ({row['fid_samples']} samples)" if 'fid' in row else ''
         if 'digits_fd' in row:
             fid = (f", digits FD {row['digits_fd']:.2f} (floor {row['digits_fd_floor']:.2f}; {row['digits_samples']} "
-                   f"samples, {row['digits_confident']:.0%} confident)")
+                   f"samples, {row['digits_confident']:.0%} confident, {row['digits_near_copies']:.1%} near copies of "
+                   f"training digits, floor {row['digits_near_copies_floor']:.1%})")
         log.print(f"eval at {row['images_seen']:,} images ({row['train_hours']:.3f} training hours): bits/dim "
                   f"{row['bpd']:.4f} +- {row['bpd_stderr'] or 0:.4f}{fid}; {row['eval_seconds']:.1f} s")
         log.draw_curves()
