@@ -187,7 +187,7 @@ def out_of_memory(error: RuntimeError) -> bool:
     """torch's allocators raise RuntimeError, not MemoryError: the CPU's "DefaultCPUAllocator: can't
     allocate memory", CUDA's torch.OutOfMemoryError ("CUDA out of memory")."""
     text = str(error)
-    return type(error).__name__ == 'OutOfMemoryError' or "can't allocate memory" in text or 'out of memory' in text
+    return type(error).__name__ == 'OutOfMemoryError' or "can't allocate memory" in text or 'CUDA out of memory' in text
 
 
 def last_line(error: Exception) -> str:

@@ -170,7 +170,7 @@ def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
     student, teacher = d.student, d.teacher
     # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
     # last student, which predicts what students predict and learnt the guided output in one pass.
-    teacher_prediction = d.teacher_config['prediction'] if stage == 0 else cfg.prediction
+    teacher_prediction = d.teacher_config.get('prediction', 'eps') if stage == 0 else cfg.prediction
     if labels is not None:  # the student told the label
         student = lambda z, t: d.student(z, t, labels)  # noqa: E731
         teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if stage == 0 else
@@ -388,7 +388,7 @@ def student_record(d: Distillation, stage: int) -> dict:
     """What sample.py draws a student with: its steps, grid and prediction, beside where it came from."""
     steps = stage_steps(d.cfg)[stage]
     return {'steps': steps, 'grid': GRID, 'timesteps': diffusion.student_timesteps(steps, d.sched.num_steps),
-            'prediction': d.cfg.prediction, 'teacher_prediction': d.teacher_config['prediction'],
+            'prediction': d.cfg.prediction, 'teacher_prediction': d.teacher_config.get('prediction', 'eps'),
             'guidance': d.cfg.guidance, 'stage': stage, 'first_teacher': d.cfg.ckpt,
             'first_teacher_steps': d.cfg.teacher_steps}
 

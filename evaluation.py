@@ -264,7 +264,7 @@ class DigitsJudge:
         """Each image's distance to its nearest training digit: the root mean square of the pixel
         differences, grey levels in [0, 1], at the judge's resolution (the training digits resized
         as the model saw them)."""
-        pixels, reference = images.flatten(1).double() / 255, self.training_pixels
+        pixels, reference = images.flatten(1).cpu().double() / 255, self.training_pixels  # samples on any device
         if pixels.shape[1] != reference.shape[1]:
             raise ValueError(f'images of {pixels.shape[1]} pixels; the judge compares {reference.shape[1]}')
         nearest = []

@@ -32,8 +32,9 @@ from devices import autocast, pick_device
 from distributed import agreed_stop, any_rank, init_process_group, setup_distributed
 from evaluation import evaluate, score_reached
 from model import UNet
-from train_config import (NUM_TIMESTEPS, TrainConfig, check_flags, claim_outputs, model_config_of,  # noqa: F401 (train.check_flags: for scripts that plan runs)
-                          resolve_defaults, validate, with_recipe)
+from train_config import check_flags  # noqa: F401 (train.check_flags: for scripts that plan runs of train.py)
+from train_config import (NUM_TIMESTEPS, TrainConfig, attention_note, claim_outputs, model_config_of, resolve_defaults,
+                          validate, with_recipe)
 from training_log import finish_run, interval_loss, log_interval, start_logging, write_sample_grid
 
 # ----------------------------------------------------------------------------- schedules
@@ -268,6 +269,8 @@ def main(cfg: TrainConfig, given: set = None) -> dict:
         device = pick_device(cfg.device, local_rank)
         cfg = resolve_defaults(cfg, device)
         validate(cfg, device, world_size, resuming=ckpt is not None)
+        if rank == 0 and (note := attention_note(cfg)):
+            print(note, flush=True)
         if ckpt is not None and 'init_from' in given and rank == 0:
             print(f'--init-from {cfg.init_from} is not read: a resumed run continues from the weights of '
                   f'{cfg.resume}', flush=True)

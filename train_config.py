@@ -12,7 +12,7 @@ import torch
 import data
 import diffusion
 import evaluation
-from cli import ConfigError, check_ranges, flag, int_list, parse_config, refused_as
+from cli import ConfigError, check_ranges, flag, given_fields, int_list, parse_config, refused_as
 from devices import cpu_has_native_bf16, pick_device
 from drawing import GRID_LIMIT
 from files import check_writable, claim_folder
@@ -284,23 +284,42 @@ def validate(cfg: TrainConfig, device: torch.device, world_size: int, resuming: 
     with refused_as(f'--image-size {cfg.image_size}' if not shape_of(cfg) else 'the UNet\'s shape (--preset '
                     f'{cfg.preset}, --image-size {cfg.image_size} and the shape flags)'):
         config = model_config_of(cfg)
+    levels, nowhere = attention_nowhere(config)
+    if nowhere and cfg.attn_resolutions is not None:  # asked for: refused; the preset's own: said (attention_note)
+        raise ConfigError(f'--attn-resolutions {cfg.attn_resolutions}: this UNet\'s levels are at '
+                          f'{", ".join(map(str, levels))} pixels; attention elsewhere would never run: pass '
+                          f'--attn-resolutions with some of those, or none')
+
+
+def attention_nowhere(config) -> tuple:
+    """(the levels' resolutions, the attention resolutions at none of them)."""
     levels = [config.image_size // 2 ** i for i in range(len(config.channel_mults))]
-    nowhere = sorted(set(config.attn_resolutions) - set(levels), reverse=True)
-    if nowhere:  # given or the preset's: one rule, so that no flag silently removes the levels' attention
-        asked = (f'--attn-resolutions {cfg.attn_resolutions}' if cfg.attn_resolutions is not None else
-                 f'the preset\'s attention at {", ".join(map(str, nowhere))} pixels (--preset {cfg.preset})')
-        raise ConfigError(f'{asked}: this UNet\'s levels are at {", ".join(map(str, levels))} pixels; attention '
-                          f'elsewhere would never run: pass --attn-resolutions with some of those, or none')
+    return levels, sorted(set(config.attn_resolutions) - set(levels), reverse=True)
+
+
+def attention_note(cfg: TrainConfig) -> str | None:
+    """The start-up line when the preset's attention lies at no level of the UNet the flags make (--channel-mults
+    1 on tiny, a preset at another --image-size): the levels then have none, as they always had; said, not
+    refused, so that such a run, and a run of it started before, trains and resumes as it did."""
+    levels, nowhere = attention_nowhere(model_config_of(cfg))
+    if not nowhere or cfg.attn_resolutions is not None:
+        return None
+    return (f'note: the preset\'s attention at {", ".join(map(str, nowhere))} pixels is at no level of this UNet '
+            f'(levels at {", ".join(map(str, levels))}): no attention in the levels (the middle block keeps its '
+            f'own); --attn-resolutions puts it at a level')
 
 
 def with_recipe(argv: list) -> list:
     """The command line with `--recipe NAME`'s flags put first, so that a flag given beside it wins
-    (argparse keeps a flag's last value); an unknown NAME is left to argparse's one-line refusal."""
-    for i, word in enumerate(argv):
-        name = argv[i + 1] if word == '--recipe' and i + 1 < len(argv) else word.partition('--recipe=')[2]
-        if name in RECIPES:
-            return [*RECIPES[name], *argv]
-    return list(argv)
+    (argparse keeps a flag's last value); NAME as argparse reads it (`--recipe=NAME`, an abbreviation), an
+    unknown one refused by it in one line. --epochs given drops the recipe's --steps, which would win over it."""
+    name = parse_config(argv, TrainConfig).recipe
+    if not name:
+        return list(argv)
+    flags = list(RECIPES[name])
+    if 'epochs' in given_fields(argv, TrainConfig) and '--steps' in flags:
+        del flags[flags.index('--steps'):flags.index('--steps') + 2]
+    return [*flags, *argv]
 
 
 def check_flags(argv: list) -> TrainConfig:

@@ -18,6 +18,7 @@ import benchmark
 import data
 import devices
 import diffusion
+import peers
 import profiling
 import roofline
 import timing
@@ -231,7 +232,7 @@ def test_the_recipe_step_is_the_diffusers_examples_step():
     from diffusers.training_utils import EMAModel
     cpu = torch.device('cpu')
     torch.manual_seed(0)
-    parts = benchmark.recipe_parts(get_config('tiny', image_size=16), cpu, steps_per_epoch=10, amp='bf16')
+    parts = peers.recipe_parts(get_config('tiny', image_size=16), cpu, steps_per_epoch=10, amp='bf16')
     unet = copy.deepcopy(parts['unet'])
     assert isinstance(unet, UNet2DModel)
     optimizer = torch.optim.AdamW(unet.parameters(), lr=1e-4, betas=(0.95, 0.999), weight_decay=1e-6, eps=1e-8)
@@ -241,7 +242,7 @@ def test_the_recipe_step_is_the_diffusers_examples_step():
     clean_images = torch.rand(4, 3, 16, 16) * 2 - 1
     for step in range(3):
         state = torch.get_rng_state()
-        loss = benchmark.recipe_step(parts, clean_images)
+        loss = peers.recipe_step(parts, clean_images)
         torch.set_rng_state(state)
         batch = clean_images.to(torch.bfloat16)  # the example's weight_dtype under bf16
         noise = torch.randn(batch.shape, dtype=torch.bfloat16)
@@ -264,7 +265,7 @@ def test_the_recipe_step_is_the_diffusers_examples_step():
         assert all(torch.equal(p, q) for p, q in zip(ours, theirs))
     assert parts['ema'].cur_decay_value == ema.cur_decay_value > 0
     assert parts['lr_scheduler'].get_last_lr() == lr_scheduler.get_last_lr() == [1e-4 * 3 / 500]
-    assert not torch.equal(parts['unet'].conv_out.weight, benchmark.recipe_parts(
+    assert not torch.equal(parts['unet'].conv_out.weight, peers.recipe_parts(
         get_config('tiny', image_size=16), cpu, 10, 'bf16')['unet'].conv_out.weight)  # the steps moved the weights
 
 
@@ -279,7 +280,7 @@ def test_the_recipe_trains_from_the_images_as_files(tmp_path):
     written = os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns
     assert timing.image_folder_for(bench, 'shapes', data.ImageTensorDataset(images)) == folder
     assert os.stat(os.path.join(folder, 'images', '000000.png')).st_mtime_ns == written  # written once
-    loader = benchmark.recipe_loader(folder, 16, 4, num_workers=0)
+    loader = peers.recipe_loader(folder, 16, 4, num_workers=0)
     mirrored, orders = 0, []
     for epoch in range(3):
         seen = []

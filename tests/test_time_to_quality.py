@@ -458,7 +458,7 @@ def test_the_intervals_on_hand_made_numbers():
 
 def test_the_recipe_loader_on_digits_gives_our_images_unmirrored(tmp_path):
     import data
-    from diffusers_io import recipe_loader, write_image_folder
+    from peers import recipe_loader, write_image_folder
     ours = data.load_dataset('digits', str(tmp_path), 16)
     write_image_folder(ours, str(tmp_path / 'png'))
 

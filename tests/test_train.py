@@ -394,8 +394,6 @@ def _stderr_line(capsys):
     (['--channel-mults='], "--channel-mults '': give positive whole numbers"),  # not "the preset's"
     (['--attn-resolutions='], "--attn-resolutions '': give positive whole numbers separated by commas, such as "
                               "16,8, or none"),
-    (['--channel-mults', '1'], "the preset's attention at 8 pixels (--preset tiny): this UNet's levels are at 16 "
-                               "pixels"),  # the same rule as a given --attn-resolutions
     (['--attn-resolutions', '5'], "--attn-resolutions 5: this UNet's levels are at 16, 8, 4 pixels"),
     (['--channel-mults', '1,2', '--attn-resolutions', '4'], "levels are at 16, 8 pixels"),
     (['--base-channels', '12'], '12 channels are not divisible by norm_groups=8'),
@@ -779,6 +777,33 @@ def test_modules_import_only_the_layers_below_them():
                                              if isinstance(node, ast.ImportFrom) and node.module}
         assert all(layer[other] < layer[name] for other in found & set(layer)), (name, found & set(layer))
         assert name != 'train' or 'sample' not in found  # the grid writer lives in drawing.py, below both
+
+
+def test_the_presets_attention_at_no_level_is_said_and_a_given_one_refused(tmp_path, capsys):
+    # --channel-mults 1 leaves tiny one level at 16 and its attention at 8 nowhere: the levels have none, as a
+    # run of it always had (so that it resumes), and the start-up says so; asked for by --attn-resolutions, it
+    # is refused in one line.
+    assert run(tmp_path / 'one', '--steps', '1', '--sample-every', '0', '--channel-mults', '1') == 0
+    out = capsys.readouterr().out
+    assert "the preset's attention at 8 pixels is at no level of this UNet (levels at 16)" in out
+    model = train.UNet(train.model_config_of(train.check_flags(train_args(tmp_path, '--channel-mults', '1'))))
+    assert not any(type(m).__name__ == 'AttnBlock' for m in model.down.modules()) and model.config.attn_resolutions == (8,)
+    assert run(tmp_path / 'given', '--steps', '1', '--channel-mults', '1', '--attn-resolutions', '8') == 2
+    assert "--attn-resolutions 8: this UNet's levels are at 16 pixels" in _stderr_line(capsys)
+    assert run(tmp_path / 'tiny', '--steps', '1', '--sample-every', '0') == 0
+    assert 'at no level' not in capsys.readouterr().out
+
+
+def test_a_recipe_stands_for_its_flags_and_a_flag_beside_it_wins():
+    import train_config
+    demo = list(train_config.RECIPES['digits-demo'])
+    for argv in (['--recipe', 'digits-demo'], ['--recipe=digits-demo'], ['--rec', 'digits-demo']):  # as argparse reads
+        assert train_config.with_recipe(argv) == demo + argv
+    assert train_config.with_recipe(['--seed', '3']) == ['--seed', '3']
+    cfg = train.check_flags(['--recipe', 'digits-demo', '--steps', '20000', '--seed', '3'])
+    assert (cfg.steps, cfg.seed, cfg.dataset, cfg.stop_at_score) == (20000, 3, 'digits', 12.3)
+    epochs = train_config.with_recipe(['--recipe', 'digits-demo', '--epochs', '300'])
+    assert '--steps' not in epochs and train.check_flags(epochs).steps is None  # --epochs given: not the recipe's steps
 
 
 def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
