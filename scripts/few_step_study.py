@@ -13,6 +13,7 @@ picture (the students at 1, 2 and 4 calls beside the teacher's DPM-Solver++ at 2
 """
 import glob
 import hashlib
+import json
 import math
 import os
 import statistics
@@ -53,6 +54,8 @@ class StudyConfig:
     speed_repeats: int = flag(3, 'timed runs per img/s row (the median is kept), after one untimed', at_least=1)
     compile: bool = flag(False, 'also time torch.compile\'d networks (minutes of compiling on a CPU)')
     quick: bool = flag(False, 'timing only, one repeat, no scores and no picture: the GPU issue\'s short window')
+    recompute: bool = flag(False, 'no sampling: the report again from OUT_DIR/STEM.json\'s rows (after a change to '
+                                  'its summary)')
     data_dir: str = flag('./data', 'where the digit classifier is cached')
     out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
     stem: str = flag('', 'the reports\' file name (default: DEVICE-digits-few-step, such as cpu-digits-few-step)')
@@ -134,17 +137,29 @@ def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, de
 
 
 def summarise(rows: list) -> list:
-    """Per (model, sampler, calls): mean, sd and the 95% t-interval of the FD over the seeds."""
+    """Per (model, sampler, calls): mean, sd and the 95% t-interval of the FD over the seeds; and, paired
+    seed by seed with the teacher's DPM-Solver++ at 20 calls (the same seed draws the same noise for
+    both), the geometric mean of the FD ratio with its 95% t-interval (from the log ratios)."""
     groups = {}
     for row in rows:
         groups.setdefault((row['model'], row['sampler'], row['calls']), []).append(row)
+    reference = {r['seed']: r['digits_fd'] for r in groups.get(('teacher', 'dpm++', 20), [])}
     out = []
     for (name, sampler, n), group in groups.items():
         fds = [r['digits_fd'] for r in group]
         sd = statistics.stdev(fds) if len(fds) > 1 else None
         half = t_quantile(len(fds) - 1) * sd / math.sqrt(len(fds)) if sd is not None else None
+        logs = [math.log(r['digits_fd'] / reference[r['seed']]) for r in group if r['seed'] in reference]
+        paired = None
+        if len(logs) > 1:
+            spread = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+            paired = {'ratio': math.exp(statistics.mean(logs)), 'low': math.exp(statistics.mean(logs) - spread),
+                      'high': math.exp(statistics.mean(logs) + spread), 'pairs': len(logs)}
         out.append({'model': name, 'sampler': sampler, 'calls': n, 'evaluations': group[0]['evaluations'],
                     'seeds': len(fds), 'fd_mean': statistics.mean(fds), 'fd_sd': sd, 'fd_ci95': half,
+                    'paired_vs_dpm20': paired,
+                    'near_copies_mean': statistics.mean(r['digits_near_copies'] for r in group)
+                    if 'digits_near_copies' in group[0] else None,
                     'accuracy_mean': statistics.mean(r['accuracy'] for r in group) if 'accuracy' in group[0]
                     else None})
     return out
@@ -220,6 +235,15 @@ def study(args: StudyConfig):
               'made_by': {name: {'teacher': made_by(f['path']), 'students': {n: made_by(s[5]) for n, s in
                                                                               f['students'].items()}}
                           for name, f in families.items()}, 'scores': {}, 'speed': {}}
+    if args.recompute:
+        try:
+            with open(os.path.join(args.out_dir, f'{stem}.json')) as f:
+                result = {**json.load(f), 'plotted': None}
+            result['summary_recomputed'] = {k: v for k, v in provenance(device_name(device)).items()
+                                            if k in ('date', 'commit', 'command')}
+        except (OSError, ValueError) as error:
+            raise ConfigError(f'--recompute: cannot read {args.out_dir}/{stem}.json ({error})') from None
+        return report(args, stem, result, judge)
     write = lambda: report(args, stem, result, judge)  # noqa: E731 (the plot redrawn when the scores grew)
     stop = StopFlag()
     restore = stop.install()
@@ -258,10 +282,13 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
         reference = next((s['fd_mean'] for s in summary if s['sampler'] == 'dpm++' and s['calls'] == 20), None)
         tables.append(f'### {name}\n\n' + markdown_table(
             ['model', 'sampler', 'calls', 'network evaluations', 'digits FD, mean +- sd', '95% interval',
-             'x DPM-Solver++-20'] + (['judged as asked'] if name == 'guided' else []),
+             'x DPM-Solver++-20', 'paired with it, same noise [95%]', 'near copies']
+            + (['judged as asked'] if name == 'guided' else []),
             [[s['model'], s['sampler'], s['calls'], s['evaluations'],
               f"{s['fd_mean']:.2f} +- {s['fd_sd'] or 0:.2f}", f"+- {s['fd_ci95']:.2f}" if s['fd_ci95'] else '',
-              f"{s['fd_mean'] / reference:.2f}" if reference else ''] +
+              f"{s['fd_mean'] / reference:.2f}" if reference else '',
+              (lambda p: f"{p['ratio']:.2f} [{p['low']:.2f}, {p['high']:.2f}]" if p else '')(s.get('paired_vs_dpm20')),
+              '' if s.get('near_copies_mean') is None else f"{s['near_copies_mean']:.1%}"] +
              ([f"{s['accuracy_mean']:.1%}"] if name == 'guided' else []) for s in summary], left=2))
     for name, rows in result['speed'].items():
         tables.append(f'### images per second, {name}\n\n' + markdown_table(

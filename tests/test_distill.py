@@ -467,3 +467,21 @@ def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp
     assert few_step_study.main(args[:-4] + ['--out-dir', str(tmp_path / 's'), '--picture', '']) == 0
     stopped = json.load(open(tmp_path / 's' / 'cpu-digits-few-step.json'))
     assert len(stopped['scores']['unconditional']) == 2 and not stopped['speed']  # the two draws that finished
+
+
+def test_the_study_pairs_each_score_with_dpm_solver_20_on_the_same_noise():
+    import math
+    import statistics
+
+    import few_step_study
+    rows = [{'model': 'teacher', 'sampler': 'dpm++', 'calls': 20, 'seed': s, 'digits_fd': fd, 'evaluations': 20}
+            for s, fd in ((0, 10.0), (1, 20.0), (2, 40.0))]
+    rows += [{'model': 'student-1', 'sampler': 'student', 'calls': 1, 'seed': s, 'digits_fd': fd, 'evaluations': 1}
+             for s, fd in ((0, 11.0), (1, 24.0), (2, 40.0))]
+    paired = {s['model']: s['paired_vs_dpm20'] for s in few_step_study.summarise(rows)}
+    logs = [math.log(1.1), math.log(1.2), 0.0]  # each seed against its own teacher score, not the mean's
+    half = 4.302652730 * statistics.stdev(logs) / math.sqrt(3)  # t(0.975), 2 degrees of freedom
+    assert paired['student-1']['ratio'] == pytest.approx(math.exp(statistics.mean(logs)))
+    assert paired['student-1']['low'] == pytest.approx(math.exp(statistics.mean(logs) - half))
+    assert paired['student-1']['high'] == pytest.approx(math.exp(statistics.mean(logs) + half))
+    assert paired['teacher']['ratio'] == pytest.approx(1.0)
