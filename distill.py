@@ -201,15 +201,6 @@ def begin_stage(d: Distillation, stage: int):
     d.optimizer = torch.optim.Adam(d.student.parameters(), lr=d.cfg.lr)
 
 
-def batches(loader, step: int):
-    """The run's batches from `step` on, across epochs (as train.py's)."""
-    while True:
-        epoch, start = divmod(step, loader.batches_per_epoch)
-        for batch in loader.epoch(epoch, start):
-            yield batch
-            step += 1
-
-
 # ----------------------------------------------------------------------------- the loop
 
 def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) -> dict:
@@ -222,7 +213,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
     clock = time.perf_counter()
     bar = tqdm(total=d.total_steps, initial=step, dynamic_ncols=True, desc='distill')
     try:
-        for batch in batches(d.loader, step) if step < d.total_steps else ():
+        for batch in d.loader.batches(step) if step < d.total_steps else ():
             stage, within = divmod(step, cfg.steps_per_stage)
             if within == 0:
                 begin_stage(d, stage)

@@ -54,6 +54,14 @@ class Loader:
             raise DataError(f'batch size {batch_size * world_size} is larger than the data set '
                             f'({num_images} images): pass a smaller --batch-size')
 
+    def batches(self, step: int):
+        """The batches from the run's `step` on, across epochs (train.py's and distill.py's loops)."""
+        while True:
+            epoch, start = divmod(step, self.batches_per_epoch)
+            for batch in self.epoch(epoch, start):
+                yield batch
+                step += 1
+
     def shard(self, epoch: int):
         permutation, flips = epoch_order(self.num_images, self.seed, epoch)
         flips &= self.flip

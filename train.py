@@ -185,11 +185,7 @@ def train_step(run: Run, batch, step: int) -> torch.Tensor:
 
 def batches(run: Run, step: int):
     """The run's batches from `step` on, across epochs."""
-    while True:
-        epoch, start = divmod(step, run.loader.batches_per_epoch)
-        for x0 in run.loader.epoch(epoch, start):
-            yield x0
-            step += 1
+    return run.loader.batches(step)
 
 
 # ----------------------------------------------------------------------------- the loop
