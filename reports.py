@@ -71,12 +71,10 @@ def portable(text: str) -> str:
     """A report's text without the paths of the machine that made it: one inside the repository
     relative to it, one elsewhere as its last two parts after '.../' (a checkpoint is named by the
     command, commit and sha256 beside it, not by where it lay)."""
-    def shown(match):
-        path = match.group(0)
-        if path.startswith(ROOT + os.sep):
-            return os.path.relpath(path, ROOT)
-        return '.../' + '/'.join(path.rstrip('/').split('/')[-2:])
-    return LOCAL_PATH.sub(shown, text)
+    # The repository first, wherever it lies (a clone under /check or /opt is no usual home folder).
+    inside = re.compile(r'(?<![\w.])' + re.escape(ROOT) + r'(?:/([^\s"\'`,;)\]|]*)|(?![\w.-]))')
+    text = inside.sub(lambda match: match.group(1) or '.', text)
+    return LOCAL_PATH.sub(lambda match: '.../' + '/'.join(match.group(0).rstrip('/').split('/')[-2:]), text)
 
 
 def write_report(out_dir: str, stem: str, result: dict, title: str, body: str, notes: str = '') -> str:

@@ -256,3 +256,14 @@ def test_reports_name_no_path_of_the_machine_that_made_them(tmp_path):
         assert reports.ROOT not in text
     assert 'https://example.org/tmp/kept' in (tmp_path / 'r.json').read_text()  # not a path of this machine
     assert json.loads((tmp_path / 'r.json').read_text())['config']['out_dir'] == os.path.join('results', 'x.md')
+
+
+@pytest.mark.parametrize('root', ['/check/work/main', '/opt/ddpm', '/tmp/ddpm'])
+def test_reports_make_the_repository_relative_wherever_it_lies(monkeypatch, root):
+    # A clone in a folder of no usual name (CI's /check, /opt) is still the repository: its paths become relative.
+    import reports
+    monkeypatch.setattr(reports, 'ROOT', root)
+    text = f'cd {root} && python x.py --out-dir {root}/results/few, then {root}-old/x and /tmp/scratch/run/ckpt.pt'
+    assert reports.portable(text) == ('cd . && python x.py --out-dir results/few, then '
+                                      + reports.portable(f'{root}-old/x') + ' and .../run/ckpt.pt')
+    assert f'{root}/' not in reports.portable(text)
