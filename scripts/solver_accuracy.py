@@ -28,7 +28,8 @@ from reports import format_or_na, markdown_table, provenance, pyplot, save_figur
 class AccuracyConfig:
     ckpt: str = flag('', 'a trained checkpoint (or diffusers folder) to measure too')
     sample_batch: int = flag(64, "the trained model's images", at_least=1)
-    quick: bool = flag(False, '5 and 20 calls, 1000 mixture samples: the wiring')
+    quick: bool = flag(False, "5 and 20 calls, 1000 mixture samples, the trained model's reference at 200 calls: "
+                              'the wiring')
     device: str = flag('cpu', 'where the trained model runs')
     seed: int = flag(0, 'seed of the noise', at_least=0, at_most=2 ** 32 - 1)
     out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
@@ -122,13 +123,14 @@ def mixture_rows(calls: tuple, n: int, seed: int) -> tuple:
     return rows, floor
 
 
-def checkpoint_rows(loaded: tuple, path: str, calls: tuple, batch: int, seed: int, device) -> list:
+def checkpoint_rows(loaded: tuple, path: str, calls: tuple, batch: int, seed: int, device,
+                    reference_calls: int = 0) -> list:
     """RMS distance (in [-1, 1] units and in grey levels) of a trained model's N-call images to its
-    own converged ODE solution from the same noise (DPM-Solver++ over every timestep). `loaded`:
-    sample.load_model's (model, config, schedule, prediction) of `path`."""
+    own converged ODE solution from the same noise (DPM-Solver++ over every timestep, or over
+    `reference_calls` of them). `loaded`: sample.load_model's (model, config, schedule, prediction) of `path`."""
     model, config, sched, prediction = loaded
     shape = (batch, config.in_channels, config.image_size, config.image_size)
-    reference = solve('dpm++-time', sched.num_steps, model, sched, shape, seed, device, prediction)
+    reference = solve('dpm++-time', reference_calls or sched.num_steps, model, sched, shape, seed, device, prediction)
     rows = []
     for sampler in [s for s in SAMPLERS if s != 'ddpm']:
         for k in calls:
@@ -153,7 +155,8 @@ def study(args: AccuracyConfig):
     check_writable(args.out_dir, '--out-dir')
     rows, floor = mixture_rows(calls, n, args.seed)
     if checked:
-        rows += checkpoint_rows(checked, args.ckpt, calls, args.sample_batch, args.seed, device)
+        # --quick's reference: 200 calls, ten times the most compared (the wiring, in a fifth of the time)
+        rows += checkpoint_rows(checked, args.ckpt, calls, args.sample_batch, args.seed, device, 200 * args.quick)
     result = {**provenance('CPU' if args.device == 'cpu' else args.device), 'config': asdict(args), 'samples': n,
               'rows': rows,
               'floor': {'sliced_w1': floor}}
