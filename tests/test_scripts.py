@@ -241,6 +241,45 @@ def test_no_committed_result_or_page_names_a_local_path():
     assert not named, named[:10]
 
 
+NUMBER = r'(?<![\d.,])\d[\d,]*(?:\.\d+)?(?:%|x)?'  # 5,750 or 4.08 or 52.7% or 1.07x, whole
+
+
+def readme_tables_and_sources(text: str) -> list:
+    """(section title, results files it links, numeric cells of its tables) for each README section
+    that links a file in results/."""
+    import re
+    found = []
+    for section in re.split(r'\n(?=## )', text):
+        sources = re.findall(r'\((results/[\w./-]+\.md)\)', section)
+        cells = [cell.strip() for line in section.splitlines() if line.startswith('| ') and ':-' not in line
+                 for cell in line.strip('|').split('|')]
+        numbers = [n for cell in cells if cell[:1].isdigit() for n in re.findall(NUMBER, cell)]
+        if sources:
+            found.append((section.splitlines()[0], sources, numbers))
+    return found
+
+
+def test_the_readme_tables_hold_the_figures_of_the_results_they_cite():
+    # A figure of a README table is copied from the result file its section links, never typed: each number
+    # of a table's cells appears in one of those files as written there (a whole number there, not a part of one).
+    import pathlib
+    import re
+    root = pathlib.Path(__file__).resolve().parent.parent
+    sections = readme_tables_and_sources((root / 'README.md').read_text())
+    assert {'## Speed on a GPU', '## On a CPU: minutes to a digits score'} <= {title for title, _, _ in sections}
+    for title, sources, numbers in sections:
+        written = {n for source in sources for n in re.findall(NUMBER, (root / source).read_text())}
+        written |= {n.rstrip(',.') for n in written}  # a number that ends a clause
+        missing = [n for n in numbers if n not in written]
+        assert not missing, f'{title}: {missing} are in no file of {sources}'
+    assert sum(len(numbers) for _, _, numbers in sections) >= 25
+
+
+def test_the_readme_check_finds_a_typed_figure():
+    section = '## S\n\n([a](results/x.md))\n\n| a | b |\n| :- | -: |\n| row | 5,750 +- 12 |\n| fp32 | 1.07x |\n'
+    assert readme_tables_and_sources(section) == [('## S', ['results/x.md'], ['5,750', '12', '1.07x'])]
+
+
 def test_reports_name_no_path_of_the_machine_that_made_them(tmp_path):
     # write_report keeps a path inside the repository relative to it, and one elsewhere (a scratch folder,
     # a checkpoint on another disk) as its last two parts: nothing a reader cannot use.
