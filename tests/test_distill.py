@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from helpers import train_args
+from helpers import signal_on_call, train_args
 
 import diffusion
 import distill
@@ -456,14 +456,7 @@ def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp
     assert [(r['model'], r['batch']) for r in result['speed']['unconditional']] == [
         ('teacher', 1), ('teacher', 2), ('student-2', 1), ('student-2', 2), ('student-1', 1), ('student-1', 2)]
     assert (tmp_path / 'p.png').exists() and (tmp_path / 'r' / 'cpu-digits-few-step.png').exists()
-    drawn, draw = [], few_step_study.draw
-
-    def draw_then_sigterm(*a, **k):
-        drawn.append(1)
-        if len(drawn) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return draw(*a, **k)
-    monkeypatch.setattr(few_step_study, 'draw', draw_then_sigterm)
+    monkeypatch.setattr(few_step_study, 'draw', signal_on_call(few_step_study.draw, 3))  # SIGTERM in the third draw
     assert few_step_study.main(args[:-4] + ['--out-dir', str(tmp_path / 's'), '--picture', '']) == 0
     stopped = json.load(open(tmp_path / 's' / 'cpu-digits-few-step.json'))
     assert len(stopped['scores']['unconditional']) == 2 and not stopped['speed']  # the two draws that finished

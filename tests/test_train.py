@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
-from helpers import stand_in_extractor, train_args, write_cifar10, write_image_folder
+from helpers import signal_on_call, stand_in_extractor, train_args, write_cifar10, write_image_folder
 
 import checkpoint
 import cli
@@ -1191,14 +1191,8 @@ def test_a_copy_resumed_elsewhere_keeps_its_grids_in_its_own_folder(tmp_path):
 def test_a_stop_during_an_evaluation_saves_that_step_and_owes_it(tmp_path, monkeypatch, shapes_fid_dir):
     import evaluation as sample_module
     monkeypatch.setattr(sample_module, 'inception_extractor', lambda weights, device: stand_in_extractor)
-    bits, calls = sample_module.bits_per_image, []
-
-    def sigterm_in_the_first_evaluation(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return bits(*args, **kwargs)
-    monkeypatch.setattr(sample_module, 'bits_per_image', sigterm_in_the_first_evaluation)
+    # SIGTERM in the first evaluation
+    monkeypatch.setattr(sample_module, 'bits_per_image', signal_on_call(sample_module.bits_per_image, 1))
     common = ['--eval-every', '24', *EVAL, '--data-dir', shapes_fid_dir(tmp_path)]
     assert run(tmp_path, *common, '--steps', '6') == 0  # the first evaluation is due at step 3
     ckpt = load_ckpt(tmp_path)
@@ -1216,14 +1210,8 @@ def test_an_owed_evaluation_that_reaches_the_stop_score_ends_the_run_as_the_unin
     common = ['--eval-every', '24', *EVAL, '--data-dir', shapes_fid_dir(tmp_path), '--stop-at-score', '10',
               '--steps', '9']
     assert run(tmp_path / 'whole', *common) == 0
-    bits, calls = evaluation.bits_per_image, []
-
-    def sigterm_in_the_first_evaluation(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return bits(*args, **kwargs)
-    monkeypatch.setattr(evaluation, 'bits_per_image', sigterm_in_the_first_evaluation)
+    # SIGTERM in the first evaluation
+    monkeypatch.setattr(evaluation, 'bits_per_image', signal_on_call(evaluation.bits_per_image, 1))
     assert run(tmp_path / 'split', *common) == 0
     assert load_ckpt(tmp_path / 'split')['eval_owed']
     assert run(tmp_path / 'split', *common, '--resume', 'auto') == 0
