@@ -80,7 +80,6 @@ class Fixed(torch.nn.Module):
         return self.output
 
 
-
 def signal_on_call(fn, n: int, sig=signal.SIGTERM):
     """`fn`, sending this process `sig` just before its n-th call (a stop that lands inside that call)."""
     calls = []

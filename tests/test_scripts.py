@@ -3,6 +3,7 @@ study and the digits score's checks (the time-to-quality ladder: test_time_to_qu
 import dataclasses
 import json
 import os
+import re
 
 import digits_figure
 import digits_score
@@ -109,7 +110,6 @@ def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args
 # ----------------------------------------------------------------------------- the README's demo, timed whole
 
 def test_the_readme_runs_the_demo_command_that_time_demo_times():
-    import re
     import shlex
 
     import time_demo
@@ -232,7 +232,6 @@ def test_no_committed_result_or_page_names_a_local_path():
     # A path of the machine that made a result (/tmp/..., a home folder) serves no reader: a checkpoint
     # is named by the command and commit that made it, a folder by a placeholder (DATA_DIR, OUT_DIR, CKPT).
     import pathlib
-    import re
     root = pathlib.Path(__file__).resolve().parent.parent
     local = re.compile(r'(?<![\w.])/(?:tmp|root|home|work|Users)/\S')
     pages = [root / 'README.md', *(root / 'docs').glob('*.md'), *(p for p in (root / 'results').rglob('*')
@@ -247,7 +246,6 @@ NUMBER = r'(?<![\d.,])\d[\d,]*(?:\.\d+)?(?:%|x)?'  # 5,750 or 4.08 or 52.7% or 1
 def readme_tables_and_sources(text: str) -> list:
     """(section title, results files it links, numeric cells of its tables) for each README section
     that links a file in results/."""
-    import re
     found = []
     for section in re.split(r'\n(?=## )', text):
         sources = re.findall(r'\((results/[\w./-]+\.md)\)', section)
@@ -263,7 +261,6 @@ def test_the_readme_tables_hold_the_figures_of_the_results_they_cite():
     # A figure of a README table is copied from the result file its section links, never typed: each number
     # of a table's cells appears in one of those files as written there (a whole number there, not a part of one).
     import pathlib
-    import re
     root = pathlib.Path(__file__).resolve().parent.parent
     sections = readme_tables_and_sources((root / 'README.md').read_text())
     assert {'## Speed on a GPU', '## On a CPU: minutes to a digits score'} <= {title for title, _, _ in sections}
