@@ -1,6 +1,8 @@
 """Our checkpoint files: the one format of train.py, sample.py and benchmark.py, written atomically
 and read with every check (a damaged file, another network, NaN weights), and the resume policy:
 which settings a resumed run replays, which must match, which may change with a warning."""
+import hashlib
+import json
 import os
 import sys
 import zipfile
@@ -10,7 +12,7 @@ import torch
 
 import evaluation
 from cli import ConfigError, NonFiniteLoss, brief
-from diffusers_io import diffusers_scheduler, read_diffusers
+from diffusers_io import STUDENT_FILE, diffusers_scheduler, read_diffusers
 from distributed import any_rank, gather_to_rank0
 from files import atomic_open, disk_full_error
 from model import MODEL_VERSION, UNet, UNetConfig
@@ -169,8 +171,16 @@ def read_checkpoint(path: str, named_as: str, student_ok: bool = False) -> dict:
 
 
 def student_record(path: str) -> dict | None:
-    """The 'student' record of a distill.py checkpoint (its steps, grid and prediction), or None for
-    anything else: a train.py checkpoint, a diffusers folder, a file that read_checkpoint refuses."""
+    """The 'student' record of a distill.py checkpoint (its steps, grid and prediction) or of its
+    diffusers export (STUDENT_FILE), or None for anything else: a train.py checkpoint, another diffusers
+    folder, a file that read_checkpoint refuses."""
+    if os.path.isdir(path):
+        try:
+            with open(os.path.join(path, STUDENT_FILE)) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return record if isinstance(record, dict) and isinstance(record.get('steps'), int) else None
     if not os.path.isfile(path) or not zipfile.is_zipfile(path):
         return None
     try:
@@ -178,6 +188,17 @@ def student_record(path: str) -> dict | None:
     except Exception:
         return None
     return ckpt.get('student') if isinstance(ckpt, dict) else None
+
+
+def weights_fingerprint(state_dict: dict) -> str:
+    """sha256 of a network's weights (names, shapes and float32 values, in name order): which model a
+    student was distilled from, whatever file or device holds it."""
+    digest = hashlib.sha256()
+    for name in sorted(state_dict):
+        tensor = state_dict[name].detach().to('cpu', torch.float32).contiguous()
+        digest.update(f'{name}{tuple(tensor.shape)}'.encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
 
 
 def checkpoint_model_config(ckpt: dict, named_as: str) -> UNetConfig:

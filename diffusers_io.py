@@ -225,26 +225,39 @@ def _new_attention_name(key: str) -> str:
 DIFFUSERS_VERSION = '0.42.1'  # the diffusers whose DDPMPipeline.from_pretrained the export is tested with
 
 
-def save_diffusers(model: UNet, schedule: str, num_steps: int, folder: str, prediction: str = 'eps'):
-    """A diffusers DDPMPipeline folder that DDPMPipeline.from_pretrained loads: model_index.json,
-    unet/ (config.json and diffusion_pytorch_model.safetensors) and scheduler/ (a DDPMScheduler of
-    this schedule: 'linear' 1e-4..0.02 or 'cosine', T steps, fixed-large variance, clipped x_0,
-    as the paper's sampler). Written beside `folder` and renamed: a folder appears whole. Raises
+STUDENT_FILE = 'student.json'  # an exported student's record (distill.py's), beside model_index.json
+DIFFUSERS_PREDICTION = {'eps': 'epsilon', 'v': 'v_prediction', 'x': 'sample'}
+
+
+def save_diffusers(model: UNet, schedule: str, num_steps: int, folder: str, prediction: str = 'eps',
+                   student: dict = None):
+    """A diffusers pipeline folder that from_pretrained loads: model_index.json, unet/ (config.json and
+    diffusion_pytorch_model.safetensors) and scheduler/. A model of every timestep: a DDPMPipeline with
+    a DDPMScheduler of this schedule ('linear' 1e-4..0.02 or 'cosine', T steps, fixed-large variance,
+    clipped x_0, as the paper's sampler). A distill.py `student` (its record): a DDIMPipeline whose
+    DDIMScheduler ('trailing', set_alpha_to_one, unclipped) at the student's steps is its sampler, and
+    its record as student.json. Written beside `folder` and renamed: a folder appears whole. Raises
     ValueError when diffusers cannot represent the configuration."""
     from safetensors.torch import save_file
     unet = {'_class_name': 'UNet2DModel', '_diffusers_version': DIFFUSERS_VERSION, **diffusers_config(model.config)}
     betas = {'linear': {'beta_schedule': 'linear', 'beta_start': 1e-4, 'beta_end': 0.02},
              'cosine': {'beta_schedule': 'squaredcos_cap_v2'}}[schedule]
-    scheduler = {'_class_name': 'DDPMScheduler', '_diffusers_version': DIFFUSERS_VERSION,
-                 'num_train_timesteps': num_steps, **betas, 'trained_betas': None, 'variance_type': 'fixed_large',
-                 'clip_sample': True, 'clip_sample_range': 1.0, 'thresholding': False,
-                 'prediction_type': {'eps': 'epsilon', 'v': 'v_prediction'}[prediction]}
-    index = {'_class_name': 'DDPMPipeline', '_diffusers_version': DIFFUSERS_VERSION,
-             'scheduler': ['diffusers', 'DDPMScheduler'], 'unet': ['diffusers', 'UNet2DModel']}
+    common = {'_diffusers_version': DIFFUSERS_VERSION, 'num_train_timesteps': num_steps, **betas,
+              'trained_betas': None, 'thresholding': False, 'prediction_type': DIFFUSERS_PREDICTION[prediction]}
+    if student is None:
+        pipeline, scheduler = 'DDPMPipeline', {'_class_name': 'DDPMScheduler', **common, 'variance_type': 'fixed_large',
+                                               'clip_sample': True, 'clip_sample_range': 1.0}
+    else:
+        pipeline, scheduler = 'DDIMPipeline', {'_class_name': 'DDIMScheduler', **common, 'clip_sample': False,
+                                               'set_alpha_to_one': True, 'steps_offset': 0,
+                                               'timestep_spacing': 'trailing'}
+    index = {'_class_name': pipeline, '_diffusers_version': DIFFUSERS_VERSION,
+             'scheduler': ['diffusers', scheduler['_class_name']], 'unet': ['diffusers', 'UNet2DModel']}
+    files = [(('model_index.json',), index), (('unet', 'config.json'), unet),
+             (('scheduler', 'scheduler_config.json'), scheduler)] + [((STUDENT_FILE,), student)] * (student is not None)
     tmp = f'{folder.rstrip(os.sep)}.tmp-{os.getpid()}'
     try:
-        for path, content in ((('model_index.json',), index), (('unet', 'config.json'), unet),
-                              (('scheduler', 'scheduler_config.json'), scheduler)):
+        for path, content in files:
             os.makedirs(os.path.join(tmp, *path[:-1]), exist_ok=True)
             with open(os.path.join(tmp, *path), 'w') as f:
                 json.dump(content, f, indent=2)
@@ -286,10 +299,10 @@ def diffusers_scheduler(path: str, named_as: str) -> dict:
     if kind is None or theirs.get('trained_betas') is not None or (kind == 'linear' and not paper_betas):
         raise ConfigError(f'{named_as}: {config_path}: only the linear 1e-4..0.02 and the cosine beta schedules are '
                           f'supported')
-    prediction = {'epsilon': 'eps', 'v_prediction': 'v'}.get(theirs.get('prediction_type', 'epsilon'))
+    prediction = {v: k for k, v in DIFFUSERS_PREDICTION.items()}.get(theirs.get('prediction_type', 'epsilon'))
     if prediction is None:
-        raise ConfigError(f"{named_as}: {config_path}: prediction_type={theirs['prediction_type']!r}; epsilon and "
-                          f"v_prediction are supported")
+        raise ConfigError(f"{named_as}: {config_path}: prediction_type={theirs['prediction_type']!r}; epsilon, "
+                          f"v_prediction and (a student's) sample are supported")
     return {'schedule': kind, 'num_steps': steps, 'prediction': prediction}
 
 

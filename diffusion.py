@@ -82,7 +82,7 @@ def schedule_kind(sched: Schedule) -> str:
     raise ValueError('neither the linear nor the cosine beta schedule')
 
 
-def _gather(table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def gather(table: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """table[t] as a (B, 1, 1, 1) tensor in like's dtype, on like's device."""
     return table.to(like.device)[t].to(like.dtype).reshape(-1, *([1] * (like.dim() - 1)))
 
@@ -110,14 +110,14 @@ def prediction_target(sched: 'Schedule', x0: torch.Tensor, t: torch.Tensor, nois
     if prediction == 'eps':
         return noise
     if prediction == 'v':
-        return (_gather(sched.sqrt_alphas_cumprod, t, x0) * noise
-                - _gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * x0)
+        return (gather(sched.sqrt_alphas_cumprod, t, x0) * noise
+                - gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * x0)
     raise ValueError(f'prediction must be one of {PREDICTIONS}, got {prediction!r}')
 
 
 def q_sample(sched: Schedule, x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """x_t = sqrt(abar_t) x_0 + sqrt(1 - abar_t) eps, a sample of q(x_t | x_0) (eq. 4)."""
-    return _gather(sched.sqrt_alphas_cumprod, t, x0) * x0 + _gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * noise
+    return gather(sched.sqrt_alphas_cumprod, t, x0) * x0 + gather(sched.sqrt_one_minus_alphas_cumprod, t, x0) * noise
 
 
 LOSS_WEIGHTS = ('uniform', 'min-snr')
@@ -216,7 +216,7 @@ def training_loss(model, sched: Schedule, x0: torch.Tensor, t=None, noise=None, 
     weights = loss_weight_table(sched, loss_weight, snr_gamma, prediction)
     if t_reweight and t_probs is not None:
         weights = weights / (sched.num_steps * t_probs)
-    per_image = per_image * _gather(weights, t, per_image)
+    per_image = per_image * gather(weights, t, per_image)
     return per_image if per_example else per_image.mean()
 
 
@@ -258,7 +258,7 @@ def as_eps_model(model, sched: Schedule, prediction: str = 'eps'):
         return model
 
     def eps_of(xt, t):
-        alpha, sigma = _gather(sched.sqrt_alphas_cumprod, t, xt), _gather(sched.sqrt_one_minus_alphas_cumprod, t, xt)
+        alpha, sigma = gather(sched.sqrt_alphas_cumprod, t, xt), gather(sched.sqrt_one_minus_alphas_cumprod, t, xt)
         return eps_and_x0(model(xt, t).to(xt.dtype), xt, alpha, sigma, prediction)[0]
     return eps_of
 
@@ -267,14 +267,14 @@ def predict_x0(sched: Schedule, xt: torch.Tensor, t: torch.Tensor, eps: torch.Te
                prediction: str = 'eps') -> torch.Tensor:
     """x_0 from the network's output `eps` (the noise, or v with prediction='v') at per-image
     timesteps t: eq. 4 solved for x_0 (used in eq. 15), through eps_and_x0."""
-    alpha, sigma = _gather(sched.sqrt_alphas_cumprod, t, xt), _gather(sched.sqrt_one_minus_alphas_cumprod, t, xt)
+    alpha, sigma = gather(sched.sqrt_alphas_cumprod, t, xt), gather(sched.sqrt_one_minus_alphas_cumprod, t, xt)
     return eps_and_x0(eps, xt, alpha, sigma, prediction)[1]
 
 
 def q_posterior(sched: Schedule, x0: torch.Tensor, xt: torch.Tensor, t: torch.Tensor):
     """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x_0) (eqs. 6 and 7)."""
-    mean = _gather(sched.posterior_mean_coef1, t, xt) * x0 + _gather(sched.posterior_mean_coef2, t, xt) * xt
-    return mean, _gather(sched.posterior_variance, t, xt), _gather(sched.posterior_log_variance_clipped, t, xt)
+    mean = gather(sched.posterior_mean_coef1, t, xt) * x0 + gather(sched.posterior_mean_coef2, t, xt) * xt
+    return mean, gather(sched.posterior_variance, t, xt), gather(sched.posterior_log_variance_clipped, t, xt)
 
 
 def model_log_variance(sched: Schedule, t: torch.Tensor, like: torch.Tensor, variance: str) -> torch.Tensor:
@@ -287,7 +287,7 @@ def model_log_variance(sched: Schedule, t: torch.Tensor, like: torch.Tensor, var
         log_var = sched.posterior_log_variance_clipped
     else:
         raise ValueError(f"variance must be 'fixedlarge' or 'fixedsmall', got {variance!r}")
-    return _gather(log_var, t, like)
+    return gather(log_var, t, like)
 
 
 def p_mean_variance(model, sched: Schedule, xt: torch.Tensor, t: torch.Tensor,
@@ -303,7 +303,7 @@ def p_mean_variance(model, sched: Schedule, xt: torch.Tensor, t: torch.Tensor,
     return mean, model_log_variance(sched, t, xt, variance), x0
 
 
-def _randn(shape, generator: torch.Generator, device, dtype=torch.float32) -> torch.Tensor:
+def standard_normal(shape, generator: torch.Generator, device, dtype=torch.float32) -> torch.Tensor:
     """Standard normal noise drawn on `device`, from `generator` (which must live there)."""
     if generator is not None and torch.device(generator.device).type != torch.device(device).type:
         raise ValueError(f'the generator is on {generator.device}, the samples on {device}: '
@@ -318,21 +318,58 @@ def ddpm_sample(model, sched: Schedule, shape, generator: torch.Generator = None
     """Ancestral sampling, Algorithm 2: x_T ~ N(0, I), then x_{t-1} ~ p(x_{t-1} | x_t) for
     t = T-1, ..., 0, with no noise added at the last step. The noise comes from `generator`,
     on `device`. Returns images in [-1, 1]."""
-    x = _randn(shape, generator, device, dtype)
+    x = standard_normal(shape, generator, device, dtype)
     for step in tqdm(range(sched.num_steps - 1, -1, -1), disable=not progress, desc='ddpm'):
         t = torch.full((shape[0],), step, device=device, dtype=torch.long)
         mean, log_var, _ = p_mean_variance(model, sched, x, t, variance, clip_denoised, prediction)
-        x = mean + (0.5 * log_var).exp() * _randn(shape, generator, device, dtype) if step > 0 else mean
+        x = mean + (0.5 * log_var).exp() * standard_normal(shape, generator, device, dtype) if step > 0 else mean
     return x.clamp(-1, 1)
 
 
-def ddim_timesteps(num_steps: int, sample_steps: int) -> list:
-    """The DDIM code's 'uniform' sub-sequence (Song et al. 2021, section 4.2): every
-    (T // S)-th timestep from 0, S of them, ascending (0, 20, ..., 980 for T=1000, S=50)."""
+# The timestep grids of the few-call samplers, named and computed as diffusers' schedulers name and
+# compute them (`timestep_spacing`; `use_lu_lambdas` for 'logsnr'), decreasing. The defaults are the
+# grids measured best, or within the sampling noise of best, at every number of calls from 1 to 50
+# (results/cpu-digits-solver-grids.md; docs/sampling.md, "Which grid").
+SPACINGS = {'ddim': ('leading', 'trailing', 'linspace'), 'dpm++': ('leading', 'trailing', 'linspace', 'logsnr')}
+DEFAULT_SPACING = {'ddim': 'trailing', 'dpm++': 'leading'}
+
+
+def spacing_for(sampler: str, spacing: str = None, steps: int = None) -> str:
+    """The grid `sampler` takes: `spacing`, or when None the sampler's default (DEFAULT_SPACING), except
+    for DPM-Solver++ at one call, where 'leading' would start from pure noise at t = T // 2: 'trailing'
+    ([T-1]) there."""
+    if sampler not in SPACINGS:
+        raise ValueError(f'{sampler} takes no --spacing (only {" and ".join(SPACINGS)} do)')
+    if spacing is None and sampler == 'dpm++' and steps == 1:
+        return 'trailing'
+    spacing = DEFAULT_SPACING[sampler] if spacing is None else spacing
+    if spacing not in SPACINGS[sampler]:
+        raise ValueError(f'{sampler} takes spacing {", ".join(SPACINGS[sampler])}, got {spacing!r}')
+    return spacing
+
+
+def _trailing(num_steps: int, steps: int) -> list:
+    """diffusers' 'trailing': round(arange(T, 0, -T/S)) - 1, from T-1 down, S of them. Where float
+    arange yields S + 1 entries (S = 61, 103, ...: diffusers then ends at -1), the first S."""
+    return [int(t) - 1 for t in np.arange(num_steps, 0, -num_steps / steps).round()[:steps]]
+
+
+def ddim_timesteps(num_steps: int, sample_steps: int, spacing: str = None) -> list:
+    """The `sample_steps` timesteps DDIM calls the model at, decreasing (diffusers' DDIMScheduler):
+    'leading' every (T // S)-th from 0 (the DDIM code's 'uniform' skip, Song et al. 2021, section
+    4.2: 980, 960, ..., 0 for S = 50; one call lands at t = 0, from pure noise); 'trailing' the same
+    stride from T-1 down; 'linspace' round(linspace(0, T-1, S)). Each step goes to the next timestep of
+    the grid and the last to the data (abar = 1). diffusers' DDIMScheduler steps to t - T // S
+    instead: the same point on 'leading' and, where T / S is whole, on 'trailing', but not on
+    'linspace' (docs/sampling.md, "Which grid")."""
     if not 1 <= sample_steps <= num_steps:
         raise ValueError(f'sample steps must be in [1, {num_steps}], got {sample_steps}')
-    stride = num_steps // sample_steps
-    return list(range(0, stride * sample_steps, stride))
+    spacing = spacing_for('ddim', spacing)  # None: DEFAULT_SPACING['ddim']
+    if spacing == 'leading':
+        return [int(t) for t in (np.arange(sample_steps) * (num_steps // sample_steps)).round()[::-1]]
+    if spacing == 'trailing':
+        return _trailing(num_steps, sample_steps)
+    return [int(t) for t in np.linspace(0, num_steps - 1, sample_steps).round()[::-1]]
 
 
 DDIM_CLIPS = ('none', 'x0', 'x0+eps')
@@ -382,19 +419,21 @@ def ddim_step(sched: Schedule, xt: torch.Tensor, output: torch.Tensor, step: int
 @torch.no_grad()
 def ddim_sample(model, sched: Schedule, shape, steps: int = 50, eta: float = 0.0,
                 generator: torch.Generator = None, device='cpu', clip_denoised: bool = None,
-                progress: bool = False, dtype=torch.float32, clip: str = None, prediction: str = 'eps'):
-    """DDIM sampling over the `steps` timesteps of ddim_timesteps, then to the predicted x_0.
+                progress: bool = False, dtype=torch.float32, clip: str = None, prediction: str = 'eps',
+                spacing: str = None):
+    """DDIM sampling over the `steps` timesteps of ddim_timesteps(`spacing`, default DEFAULT_SPACING),
+    each step to the next of the grid, the last to the predicted x_0.
     eta=0 is deterministic given x_T; eta=1 has DDPM's posterior variance. clip as in ddim_step
     (default 'none': converges to the probability-flow ODE as steps grow). The noise comes from
     `generator`, on `device`. Returns images clamped to [-1, 1]."""
     clip = ddim_clip(clip, clip_denoised)
-    timesteps = ddim_timesteps(sched.num_steps, steps)
+    timesteps = ddim_timesteps(sched.num_steps, steps, spacing)
     sched_cpu = sched.to('cpu')  # coefficients as python floats: no device sync per step
-    x = _randn(shape, generator, device, dtype)
-    for i in tqdm(range(len(timesteps) - 1, -1, -1), disable=not progress, desc='ddim'):
-        step, prev_step = timesteps[i], (timesteps[i - 1] if i > 0 else -1)
+    x = standard_normal(shape, generator, device, dtype)
+    for i in tqdm(range(len(timesteps)), disable=not progress, desc='ddim'):
+        step, prev_step = timesteps[i], (timesteps[i + 1] if i + 1 < len(timesteps) else -1)
         output = model(x, torch.full((shape[0],), step, device=device, dtype=torch.long)).to(x.dtype)
-        noise = _randn(shape, generator, device, dtype) if eta > 0 and prev_step >= 0 else None
+        noise = standard_normal(shape, generator, device, dtype) if eta > 0 and prev_step >= 0 else None
         x = ddim_step(sched_cpu, x, output, step, prev_step, eta, noise, clip=clip, prediction=prediction)
     return x.clamp(-1, 1)
 
@@ -409,33 +448,42 @@ def log_snr(sched: Schedule, step: int) -> float:
     return 0.5 * (math.log(abar) - math.log1p(-abar))
 
 
-def dpm_solver_timesteps(sched: Schedule, steps: int, spacing: str = 'logsnr') -> list:
-    """The `steps` timesteps DPM-Solver++ calls the model at, decreasing from T-1; after the last,
-    the solver steps to the data (sigma = 0). 'time': uniform in t, the largest `steps` of
-    round(linspace(0, T-1, steps + 1)) (diffusers' 'linspace' spacing). 'logsnr': uniform in
-    lambda_t between lambda_{T-1} and lambda_0 (Lu et al. 2022, section 3.3), each rounded to the
-    timestep of nearest lambda. Either way timesteps that round to one are moved apart (with
-    steps = T, every timestep)."""
+def dpm_solver_timesteps(sched: Schedule, steps: int, spacing: str = None) -> list:
+    """The `steps` timesteps DPM-Solver++ calls the model at, decreasing; after the last, the solver
+    steps to the data (sigma = 0), so no call is spent at t = 0. As diffusers'
+    DPMSolverMultistepScheduler computes them: 'linspace' the largest S of round(linspace(0, T-1,
+    S + 1)); 'leading' the largest S of (T // (S + 1)) * (0, 1, ..., S); 'trailing' as DDIM's
+    (_trailing, from T-1). 'logsnr' is uniform in lambda_t (Lu et al. 2022, section 3.3; diffusers'
+    use_lu_lambdas: S + 1 levels from lambda_{T-1} to lambda_0, each at the timestep interpolated in
+    log sigma and rounded), less the last, lambda_0, where diffusers' own grid of S levels spends its
+    last call. Timesteps that round to one are moved apart, within 1..T-1 (_distinct; with steps = T,
+    every timestep)."""
     num_steps = sched.num_steps
     if not 1 <= steps <= num_steps:
         raise ValueError(f'sample steps must be in [1, {num_steps}], got {steps}')
-    if spacing == 'time':
-        return _distinct([int(t) for t in np.linspace(0, num_steps - 1, steps + 1).round()[::-1][:-1]])
-    if spacing != 'logsnr':
-        raise ValueError(f"spacing must be 'time' or 'logsnr', got {spacing!r}")
-    lambdas = np.array([log_snr(sched, t) for t in range(num_steps)])  # decreasing in t
-    targets = np.linspace(lambdas[-1], lambdas[0], steps) if steps > 1 else lambdas[-1:]
-    return _distinct([int(np.abs(lambdas - target).argmin()) for target in targets])
+    spacing = spacing_for('dpm++', spacing, steps)
+    if spacing == 'linspace':
+        grid = np.linspace(0, num_steps - 1, steps + 1).round()[::-1][:-1]
+    elif spacing == 'leading':
+        grid = (np.arange(steps + 1) * (num_steps // (steps + 1))).round()[::-1][:-1]
+    elif spacing == 'trailing':
+        grid = _trailing(num_steps, steps)
+    else:
+        abar = sched.alphas_cumprod.double().numpy()
+        log_sigmas = 0.5 * (np.log1p(-abar) - np.log(abar))  # -lambda_t, increasing in t
+        levels = np.linspace(log_sigmas[-1], log_sigmas[0], steps + 1)[:-1]
+        grid = np.interp(levels, log_sigmas, np.arange(num_steps)).round()
+    return _distinct([int(t) for t in grid], 0 if steps == num_steps else 1)  # t = 0 only when every t is
 
 
-def _distinct(timesteps: list) -> list:
+def _distinct(timesteps: list, lowest: int) -> list:
     """Decreasing timesteps where neighbours rounded to one step are moved apart: down from the
-    top (where lambda may move slowly), then, where that passed below 0, up from 0 (where lambda
-    moves fast). With as many steps as T, every timestep."""
+    top (where lambda may move slowly), then, where that passed below `lowest`, up from it (where
+    lambda moves fast)."""
     for i in range(1, len(timesteps)):
         timesteps[i] = min(timesteps[i], timesteps[i - 1] - 1)
-    if timesteps[-1] < 0:
-        timesteps[-1] = 0
+    if timesteps[-1] < lowest:
+        timesteps[-1] = lowest
         for i in range(len(timesteps) - 2, -1, -1):
             timesteps[i] = max(timesteps[i], timesteps[i + 1] + 1)
     return timesteps
@@ -462,7 +510,7 @@ def dpm_solver_step(sched: Schedule, xt: torch.Tensor, output: torch.Tensor, ste
 
 
 @torch.no_grad()
-def dpm_solver_sample(model, sched: Schedule, shape, steps: int = 20, spacing: str = 'logsnr',
+def dpm_solver_sample(model, sched: Schedule, shape, steps: int = 20, spacing: str = None,
                       generator: torch.Generator = None, device='cpu', progress: bool = False,
                       dtype=torch.float32, x: torch.Tensor = None, prediction: str = 'eps'):
     """DPM-Solver++(2M) (Lu et al. 2022, "DPM-Solver++", Algorithm 2): the probability-flow ODE
@@ -472,7 +520,7 @@ def dpm_solver_sample(model, sched: Schedule, shape, steps: int = 20, spacing: s
     predicted x_0 is not clipped. Returns images clamped to [-1, 1]."""
     timesteps = dpm_solver_timesteps(sched, steps, spacing)
     sched_cpu = sched.to('cpu')  # coefficients as python floats: no device sync per step
-    x = _randn(shape, generator, device, dtype) if x is None else x
+    x = standard_normal(shape, generator, device, dtype) if x is None else x
     history = None
     for i in tqdm(range(len(timesteps)), disable=not progress, desc='dpm-solver++'):
         step, prev_step = timesteps[i], (timesteps[i + 1] if i + 1 < len(timesteps) else -1)
@@ -487,14 +535,14 @@ SAMPLERS = ('ddpm', 'ddim', 'dpm++')
 
 
 def run_sampler(name: str, model, sched: Schedule, shape, steps: int = None, generator: torch.Generator = None,
-                device='cpu', eta: float = 0.0, spacing: str = 'logsnr', variance: str = 'fixedlarge',
+                device='cpu', eta: float = 0.0, spacing: str = None, variance: str = 'fixedlarge',
                 prediction: str = 'eps', dtype=torch.float32, progress: bool = False, clip: str = None):
     """Images from the sampler `name`, each taking the arguments it has and ignoring the rest:
     'ddpm' (ddpm_sample: all T steps, `variance`; clip 'none' turns off the paper's clipping of x_0,
     which is on by default), 'ddim' (ddim_sample: `steps` calls, default 50, `eta`, `clip` as in
-    ddim_step) or 'dpm++' (dpm_solver_sample: `steps` calls, default 20, `spacing`; no clipping); and
-    'student' (student_sample: a distilled student's `steps` calls on its grid, its prediction 'x' or 'v').
-    Returns images clamped to [-1, 1]."""
+    ddim_step, `spacing`) or 'dpm++' (dpm_solver_sample: `steps` calls, default 20, `spacing`; no
+    clipping), `spacing` None for the sampler's DEFAULT_SPACING (a distilled student's sampler:
+    students.student_sample). Returns images clamped to [-1, 1]."""
     common = dict(generator=generator, device=device, progress=progress, dtype=dtype, prediction=prediction)
     if name == 'ddpm':
         if clip is not None and clip not in DDIM_CLIPS:
@@ -502,13 +550,12 @@ def run_sampler(name: str, model, sched: Schedule, shape, steps: int = None, gen
         # The posterior mean (eq. 7) reads x_0 alone: 'x0' and 'x0+eps' are one sampler here.
         return ddpm_sample(model, sched, shape, variance=variance, clip_denoised=clip != 'none', **common)
     if name == 'ddim':
-        return ddim_sample(model, sched, shape, 50 if steps is None else steps, eta, clip=clip, **common)
+        return ddim_sample(model, sched, shape, 50 if steps is None else steps, eta, clip=clip, spacing=spacing,
+                           **common)
     if name == 'dpm++':
         if clip not in (None, 'none'):
             raise ValueError(f"dpm++ does not clip the predicted x_0: clip must be 'none', got {clip!r}")
         return dpm_solver_sample(model, sched, shape, 20 if steps is None else steps, spacing, **common)
-    if name == 'student':  # a distilled student (distill.py): its own `steps` and grid, prediction 'x' or 'v'
-        return student_sample(model, sched, shape, steps, **common)
     raise ValueError(f'sampler must be one of {SAMPLERS}, got {name!r}')
 
 
@@ -535,7 +582,7 @@ def vlb_term(model, sched: Schedule, x0: torch.Tensor, t: torch.Tensor, generato
     """One term of the bound per image, in nats, at per-image timesteps t (eq. 5): the decoder's
     NLL -log p(x_0 | x_1) (eq. 13) where t = 0, KL(q(x_{t-1} | x_t, x_0) || p(x_{t-1} | x_t))
     elsewhere, with x_t drawn from q(x_t | x_0). One model call. Returns (B,)."""
-    xt = q_sample(sched, x0, t, _randn(x0.shape, generator, x0.device, x0.dtype))
+    xt = q_sample(sched, x0, t, standard_normal(x0.shape, generator, x0.device, x0.dtype))
     mean, log_var, _ = p_mean_variance(model, sched, xt, t, variance, clip_denoised, prediction)
     true_mean, _, true_log_var = q_posterior(sched, x0, xt, t)
     decoder = -discretized_gaussian_log_likelihood(x0, mean, log_var)
@@ -547,8 +594,8 @@ def vlb_term(model, sched: Schedule, x0: torch.Tensor, t: torch.Tensor, generato
 def prior_bits(sched: Schedule, x0: torch.Tensor) -> torch.Tensor:
     """L_T = KL(q(x_T | x_0) || N(0, I)) per image, in bits per dimension (no model call)."""
     t_last = torch.full((x0.shape[0],), sched.num_steps - 1, device=x0.device, dtype=torch.long)
-    mean = _gather(sched.sqrt_alphas_cumprod, t_last, x0) * x0
-    log_var = torch.log(_gather(1.0 - sched.alphas_cumprod, t_last, x0)).expand_as(x0)
+    mean = gather(sched.sqrt_alphas_cumprod, t_last, x0) * x0
+    log_var = torch.log(gather(1.0 - sched.alphas_cumprod, t_last, x0)).expand_as(x0)
     return normal_kl(mean, log_var, torch.zeros_like(x0), torch.zeros_like(x0)).flatten(1).sum(1) / _dims_ln2(x0)
 
 
@@ -596,87 +643,3 @@ def vlb_bits_per_dim_mc(model, sched: Schedule, x0: torch.Tensor, num_timesteps:
                                       prediction) / _dims_ln2(x0)
     prior = prior_bits(sched, x0)
     return {'total': prior + decoder + kl, 'prior': prior, 'decoder': decoder, 'kl': kl}
-
-
-# ============================================================================= few-step students
-# Progressive distillation (Salimans & Ho 2022, "Progressive Distillation for Fast Sampling of Diffusion
-# Models"; their code: google-research diffusion_distillation, dpm.py, Model.training_losses). A student
-# of N steps learns to land, in one deterministic DDIM step, where two DDIM steps of its teacher (of 2N
-# steps) land; it then teaches a student of N/2. Here z_t = alpha_t x + sigma_t eps (eq. 4), alpha_t =
-# sqrt(abar_t), sigma_t = sqrt(1 - abar_t), and timestep -1 is the clean endpoint (alpha 1, sigma 0).
-
-STUDENT_PREDICTIONS = ('v', 'x')
-
-
-def student_timesteps(steps: int, num_steps: int = 1000) -> list:
-    """The time grid of an N-step student, its teacher and its sampler alike: t_i = round(T i / N) - 1
-    for i = N, N-1, ..., 0 ("trailing" spacing), from the last timestep T-1 (so that one step starts
-    from pure noise) down to -1, the clean endpoint; N + 1 entries. Rounded half up in integers,
-    (2 T i + N) // (2 N) - 1, so that the grids nest exactly: the 2N-step grid at 2i is
-    (4 T i + 2N) // (4N) - 1, the N-step grid at i, and a student's every other teacher point is its
-    own. DDIM's 'uniform' grid (ddim_timesteps: 0, 20, ..., 980) leads from 0 and never reaches T-1."""
-    if not 1 <= steps <= num_steps:
-        raise ValueError(f'a student takes 1 to {num_steps} steps, got {steps}')
-    return [(2 * num_steps * i + steps) // (2 * steps) - 1 for i in range(steps, -1, -1)]
-
-
-def alpha_sigma(sched: Schedule, t: torch.Tensor, like: torch.Tensor) -> tuple:
-    """(alpha_t, sigma_t) at per-image timesteps t as (B, 1, ...) tensors in like's dtype (eq. 4);
-    t = -1 is the clean endpoint, (1, 0) exactly."""
-    alphas = torch.cat([sched.sqrt_alphas_cumprod.new_ones(1), sched.sqrt_alphas_cumprod])
-    sigmas = torch.cat([sched.sqrt_one_minus_alphas_cumprod.new_zeros(1), sched.sqrt_one_minus_alphas_cumprod])
-    return _gather(alphas, t + 1, like), _gather(sigmas, t + 1, like)
-
-
-def x_and_eps(output: torch.Tensor, z: torch.Tensor, alpha, sigma, prediction: str) -> tuple:
-    """(x, eps) that a network's output stands for at z = alpha x + sigma eps: 'eps' and 'v' as
-    eps_and_x0; 'x' (Salimans & Ho 2022, section 4): the output is x itself, eps = (z - alpha x) / sigma
-    (eq. 4 solved for eps; sigma > 0 at every timestep the network sees)."""
-    if prediction == 'x':
-        return output, (z - alpha * output) / sigma
-    eps, x = eps_and_x0(output, z, alpha, sigma, prediction)
-    return x, eps
-
-
-def output_for(x: torch.Tensor, eps: torch.Tensor, alpha, sigma, prediction: str) -> torch.Tensor:
-    """What a network of `prediction` outputs for (x, eps): eps, x, or v = alpha eps - sigma x
-    (Salimans & Ho 2022, section 4); x_and_eps inverts it."""
-    if prediction == 'eps':
-        return eps
-    if prediction == 'x':
-        return x
-    if prediction == 'v':
-        return alpha * eps - sigma * x
-    raise ValueError(f"prediction must be one of {PREDICTIONS + ('x',)}, got {prediction!r}")
-
-
-def ddim_to(x: torch.Tensor, eps: torch.Tensor, alpha_to, sigma_to) -> torch.Tensor:
-    """DDIM's deterministic update (Song et al. 2021, eq. 12 with sigma = 0) from a prediction (x, eps)
-    to the noise level (alpha_to, sigma_to): alpha_to x + sigma_to eps; at the clean endpoint, x."""
-    return alpha_to * x + sigma_to * eps
-
-
-def distillation_target(z: torch.Tensor, z_teacher: torch.Tensor, alpha, sigma, alpha_to, sigma_to) -> torch.Tensor:
-    """The x that one student DDIM step from z (at alpha, sigma) must predict to land on the teacher's
-    z'' (at alpha'', sigma''): x~ = (z'' - (sigma''/sigma) z) / (alpha'' - (sigma''/sigma) alpha)
-    (Salimans & Ho 2022, Algorithm 2). At the clean endpoint (sigma'' = 0, alpha'' = 1) it is z''
-    itself, the teacher's x prediction at its second step, exactly. The denominator vanishes only
-    where the two points have one SNR: never on a grid."""
-    ratio = sigma_to / sigma
-    return (z_teacher - ratio * z) / (alpha_to - ratio * alpha)
-
-
-@torch.no_grad()
-def student_sample(model, sched: Schedule, shape, steps: int, generator: torch.Generator = None, device='cpu',
-                   progress: bool = False, dtype=torch.float32, prediction: str = 'v', x: torch.Tensor = None):
-    """A distilled student's sampler: `steps` deterministic DDIM steps (ddim_to) on student_timesteps,
-    the grid it was trained on, from x_T ~ N(0, I) (or `x`) at t = T-1 to the clean endpoint, one call
-    per step, unclipped as in training. Returns images clamped to [-1, 1]."""
-    grid = student_timesteps(steps, sched.num_steps)
-    z = _randn(shape, generator, device, dtype) if x is None else x
-    for step, to in tqdm(list(zip(grid[:-1], grid[1:])), disable=not progress, desc='student'):
-        t = torch.full((shape[0],), step, device=device, dtype=torch.long)
-        alpha, sigma = alpha_sigma(sched, t, z)
-        x0, eps = x_and_eps(model(z, t).to(z.dtype), z, alpha, sigma, prediction)
-        z = ddim_to(x0, eps, *alpha_sigma(sched, torch.full_like(t, to), z))
-    return z.clamp(-1, 1)

@@ -9,7 +9,7 @@ sampled with DDIM at --teacher-steps N0; a student of N0/2 steps starts as a cop
 land, in one DDIM step, where two of its teacher's land (distillation_loss); it then teaches a student
 of N0/4, with a fresh optimizer, down to --down-to steps. Each stage writes
 OUT/student-N.pt, which sample.py draws with its own N steps on the grid it was trained on
-(diffusion.student_timesteps, from t = T-1 to the clean endpoint). A class-conditional teacher is
+(students.student_timesteps, from t = T-1 to the clean endpoint). A class-conditional teacher is
 distilled at --guidance s: the teacher runs both halves of classifier-free guidance, the student
 learns the guided output with the label as its input, one pass per step.
 Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with OUT/distill.pt saved), 1 a write failed,
@@ -31,7 +31,9 @@ from tqdm import tqdm
 import data
 import diffusion
 import loaders
-from checkpoint import check_same_data, model_from_checkpoint, read_checkpoint, require_finite, save_checkpoint
+import students
+from checkpoint import (check_same_data, model_from_checkpoint, read_checkpoint, require_finite, save_checkpoint,
+                        weights_fingerprint)
 from cli import (ConfigError, NonFiniteLoss, StopFlag, StopRequested, changed_fields, check_ranges, flag, given_fields,
                  parse_config, run_main)
 from devices import device_name, pick_device
@@ -39,7 +41,7 @@ from files import JsonLines, claim_folder
 from model import MODEL_VERSION, UNet
 from reports import provenance
 
-GRID = 'trailing'  # diffusion.student_timesteps: t_i = round(T i / N) - 1, i = N..0
+GRID = 'trailing'  # students.student_timesteps: t_i = round(T i / N) - 1, i = N..0
 
 
 @dataclass
@@ -52,7 +54,7 @@ class DistillConfig:
                                 at_least=1)
     prediction: str = flag('v', 'what the student predicts: v = alpha eps - sigma x, or x (never eps: at t = T-1 '
                                 'x from eps divides by alpha = 0.006); the teacher keeps its own',
-                           choices=diffusion.STUDENT_PREDICTIONS)
+                           choices=students.STUDENT_PREDICTIONS)
     guidance: float | None = flag(None, 'a class-conditional teacher\'s guidance scale (1: the conditional model '
                                         'alone, one pass; default 1); the student learns the guided output',
                                   at_least=0)
@@ -100,6 +102,7 @@ class Distillation:
     optimizer: torch.optim.Optimizer
     loader: typing.Any
     data_identity: dict
+    first_teacher: str = ''  # checkpoint.weights_fingerprint of the trained teacher: its students name it
     stop: StopFlag = field(default_factory=StopFlag)
 
     @property
@@ -121,12 +124,12 @@ def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: to
                       t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
     """z'': two unclipped DDIM steps of the teacher (its output read as `prediction`), t -> t_mid ->
     t_to, per image. Two teacher calls; the teacher may be diffusion.guided's (two halves each)."""
-    alpha, sigma = diffusion.alpha_sigma(sched, t, z)
-    x, eps = diffusion.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
-    alpha_mid, sigma_mid = diffusion.alpha_sigma(sched, t_mid, z)
-    z_mid = diffusion.ddim_to(x, eps, alpha_mid, sigma_mid)
-    x, eps = diffusion.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
-    return diffusion.ddim_to(x, eps, *diffusion.alpha_sigma(sched, t_to, z))
+    alpha, sigma = students.alpha_sigma(sched, t, z)
+    x, eps = students.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    alpha_mid, sigma_mid = students.alpha_sigma(sched, t_mid, z)
+    z_mid = students.ddim_to(x, eps, alpha_mid, sigma_mid)
+    x, eps = students.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
+    return students.ddim_to(x, eps, *students.alpha_sigma(sched, t_to, z))
 
 
 def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Tensor, steps: int,
@@ -134,22 +137,22 @@ def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Ten
                       noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
     """Progressive distillation's loss for a student of `steps` steps (Salimans & Ho 2022, Algorithm 2):
     a step k of its grid (uniform over the `steps` unless given), t = g[k] -> t'' = g[k + 1], with the
-    teacher's grid point t' between them (diffusion.student_timesteps of 2 x steps); z_t = alpha_t x0 + sigma_t eps;
-    the target x~ (diffusion.distillation_target) from the teacher's two DDIM steps; the loss
+    teacher's grid point t' between them (students.student_timesteps of 2 x steps); z_t = alpha_t x0 + sigma_t eps;
+    the target x~ (students.distillation_target) from the teacher's two DDIM steps; the loss
     max(SNR_t, 1) ||x_student - x~||^2, SNR_t = alpha_t^2 / sigma_t^2 ("truncated SNR" weighting, their
     snr_trunc: the x error at low noise, the eps error at high). student and teacher are model(z, t)
     callables; the student's output is read as `prediction` ('v' or 'x'), the teacher's as its own."""
-    grid = torch.tensor(diffusion.student_timesteps(2 * steps, sched.num_steps), device=x0.device)
+    grid = torch.tensor(students.student_timesteps(2 * steps, sched.num_steps), device=x0.device)
     if k is None:
         k = torch.randint(0, steps, (x0.shape[0],), device=x0.device)
     if noise is None:
         noise = torch.randn_like(x0)
     t, t_mid, t_to = grid[2 * k], grid[2 * k + 1], grid[2 * k + 2]
-    alpha, sigma = diffusion.alpha_sigma(sched, t, x0)
+    alpha, sigma = students.alpha_sigma(sched, t, x0)
     z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
     z_teacher = teacher_two_steps(teacher, sched, z, t, t_mid, t_to, teacher_prediction)
-    target = diffusion.distillation_target(z, z_teacher, alpha, sigma, *diffusion.alpha_sigma(sched, t_to, x0))
-    x, _ = diffusion.x_and_eps(student(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    target = students.distillation_target(z, z_teacher, alpha, sigma, *students.alpha_sigma(sched, t_to, x0))
+    x, _ = students.x_and_eps(student(z, t).to(z.dtype), z, alpha, sigma, prediction)
     weight = (alpha / sigma).square().clamp(min=1.0).flatten()
     per_image = weight * (x - target).square().flatten(1).mean(1)
     return per_image if per_example else per_image.mean()
@@ -312,7 +315,7 @@ def settings(cfg: DistillConfig, given: set) -> tuple:
                               f'for sampling; a train.py checkpoint is a teacher, for --ckpt')
         saved = DistillConfig(**ckpt['distill'])
         for name in sorted(given - set(CHANGEABLE_ON_RESUME)):
-            if getattr(cfg, name) != getattr(saved, name):
+            if getattr(cfg, name) != getattr(saved, name) and not same_file(name, cfg.ckpt, saved.ckpt):
                 raise ConfigError(f'--{name.replace("_", "-")} {getattr(cfg, name)}: the run has '
                                   f'{getattr(saved, name)}; an exact resume needs the same value')
         changed = {name: getattr(cfg, name) for name in CHANGEABLE_ON_RESUME if name in given}
@@ -324,6 +327,9 @@ def settings(cfg: DistillConfig, given: set) -> tuple:
         raise ConfigError(f'--out-dir {cfg.out_dir} holds the students of another run: pass another --out-dir')
     if not cfg.ckpt:
         raise ConfigError('--ckpt is required: the teacher, a train.py checkpoint')
+    if os.path.isdir(cfg.ckpt):
+        raise ConfigError(f'--ckpt {cfg.ckpt}: a folder (a diffusers export?); the teacher must be a train.py '
+                          f'checkpoint, which holds the data and settings it was trained with')
     ckpt = read_checkpoint(cfg.ckpt, f'--ckpt {cfg.ckpt}')
     teacher = ckpt['config']
     if teacher.get('prediction', 'eps') not in diffusion.PREDICTIONS or teacher.get('schedule') not in ('linear',
@@ -341,6 +347,14 @@ def settings(cfg: DistillConfig, given: set) -> tuple:
     return replace(cfg, guidance=(1.0 if cfg.guidance is None else cfg.guidance) if classes else None, lr=lr,
                    batch_size=cfg.batch_size or teacher['batch_size'],
                    data_dir=cfg.data_dir if cfg.data_dir is not None else teacher['data_dir']), ckpt
+
+
+def same_file(name: str, given: str, saved: str) -> bool:
+    """--ckpt given as another spelling of the path the run was started with (relative, absolute)."""
+    try:
+        return name == 'ckpt' and os.path.samefile(given, saved)
+    except OSError:
+        return False
 
 
 def build(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillation:
@@ -372,16 +386,18 @@ def build(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillatio
     torch.manual_seed(cfg.seed)
     sched = diffusion.make_schedule(1000, teacher_config['schedule']).to(device)
     optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
-    return Distillation(cfg, device, teacher_config, sched, teacher, student, ema, optimizer, loader, identity, stop)
+    first_teacher = ckpt.get('first_teacher_fingerprint', '') if resuming else weights_fingerprint(teacher.state_dict())
+    return Distillation(cfg, device, teacher_config, sched, teacher, student, ema, optimizer, loader, identity,
+                        first_teacher, stop)
 
 
 def student_record(d: Distillation, stage: int) -> dict:
     """What sample.py draws a student with: its steps, grid and prediction, beside where it came from."""
     steps = stage_steps(d.cfg)[stage]
-    return {'steps': steps, 'grid': GRID, 'timesteps': diffusion.student_timesteps(steps, d.sched.num_steps),
+    return {'steps': steps, 'grid': GRID, 'timesteps': students.student_timesteps(steps, d.sched.num_steps),
             'prediction': d.cfg.prediction, 'teacher_prediction': d.teacher_config.get('prediction', 'eps'),
             'guidance': d.cfg.guidance, 'stage': stage, 'first_teacher': d.cfg.ckpt,
-            'first_teacher_steps': d.cfg.teacher_steps}
+            'first_teacher_steps': d.cfg.teacher_steps, 'first_teacher_fingerprint': d.first_teacher}
 
 
 def student_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
@@ -399,6 +415,7 @@ def run_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
     rng = {'cpu': torch.get_rng_state(),
            'cuda': torch.cuda.get_rng_state(d.device) if d.device.type == 'cuda' else None}
     return {**student_state(d, stage, step, seconds), 'teacher': d.teacher.state_dict(),
+            'first_teacher_fingerprint': d.first_teacher,
             'teacher_config': d.teacher_config, 'optimizer': d.optimizer.state_dict(), 'rng': rng,
             'data': d.data_identity}
 

@@ -11,6 +11,8 @@ import torch
 from tqdm import tqdm
 
 import diffusion
+import peers
+import students
 from devices import autocast
 from files import atomic_open
 from model import UNetConfig
@@ -22,11 +24,11 @@ class Sampling:
     SampleConfig holds the same fields as flags)."""
     num: int
     batch_size: int
-    sampler: str = 'ddim'
+    sampler: str = 'dpm++'
     steps: int = 50
     seed: int = 0
     eta: float = 0.0
-    spacing: str = 'logsnr'
+    spacing: str | None = None  # None: the sampler's default grid (diffusion.DEFAULT_SPACING)
     variance: str = 'fixedlarge'
     clip: str = 'auto'
     amp: str = 'auto'
@@ -88,10 +90,18 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: Sampling, device, start: i
     shape = (min(cfg.batch_size, cfg.num - start), config.in_channels, config.image_size, config.image_size)
     seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
     generator = torch.Generator(device).manual_seed(seed)
-    model = conditioned(model, config, start, shape[0], cfg.label, cfg.guidance, device)
+    # A guided student learnt its scale (cfg.guidance names it): one pass of the conditional network.
+    guidance = 1.0 if cfg.sampler == 'student' else cfg.guidance
+    model = conditioned(model, config, start, shape[0], cfg.label, guidance, device)
     with autocast(sampling_amp(cfg.amp, device), device):
-        x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta, cfg.spacing,
-                                  cfg.variance, prediction, clip=None if cfg.clip == 'auto' else cfg.clip)
+        if cfg.sampler in peers.PEER_SOLVERS:  # diffusers' own solvers, as peers (few_step_study.py)
+            x = peers.peer_sample(cfg.sampler, model, sched, shape, cfg.steps, generator, device, prediction=prediction)
+        elif cfg.sampler == 'student':  # a distilled student: its own steps on its own grid
+            x = students.student_sample(model, sched, shape, cfg.steps, generator, device, prediction=prediction)
+        else:
+            clip = None if cfg.clip == 'auto' else cfg.clip
+            x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta,
+                                      cfg.spacing, cfg.variance, prediction, clip=clip)
     if not x.isfinite().all():
         raise NonFiniteSamples(f'the model drew NaN or inf in batch {start // cfg.batch_size} (images {start} '
                                f'to {start + shape[0] - 1}): it has diverged; nothing of that batch is written')

@@ -123,3 +123,47 @@ def write_image_folder(dataset, folder: str):
     os.makedirs(os.path.join(folder, 'images'))
     for index in range(len(dataset)):
         write_png(dataset[index], os.path.join(folder, 'images', f'{index:06d}.png'))
+
+
+# ----------------------------------------------------------------------------- diffusers' solvers
+
+# diffusers' few-step solvers as a user would pick them, run on our model through peer_sample: the
+# default DPMSolverMultistepScheduler (DPM-Solver++(2M), 'linspace'), the same on its log-SNR grid
+# (use_lu_lambdas: its last call at t = 0), UniPC (bh2, order 2) on its default and 'trailing' grids,
+# and DDIMScheduler on 'trailing' (set_alpha_to_one, unclipped). Name: (class, settings).
+PEER_SOLVERS = {
+    'diffusers-dpm++': ('DPMSolverMultistepScheduler', {}),
+    'diffusers-dpm++-lu': ('DPMSolverMultistepScheduler', {'use_lu_lambdas': True}),
+    'diffusers-unipc': ('UniPCMultistepScheduler', {}),
+    'diffusers-unipc-trailing': ('UniPCMultistepScheduler', {'timestep_spacing': 'trailing'}),
+    'diffusers-ddim-trailing': ('DDIMScheduler', {'timestep_spacing': 'trailing', 'clip_sample': False,
+                                                  'set_alpha_to_one': True}),
+}
+
+
+def peer_scheduler(name: str, sched, prediction: str = 'eps'):
+    """The diffusers scheduler PEER_SOLVERS[name] over our training schedule (linear or cosine betas,
+    T steps) for a network that predicts `prediction`."""
+    import diffusers
+    from diffusion import schedule_kind
+    cls, settings = PEER_SOLVERS[name]
+    betas = {'linear': dict(beta_schedule='linear', beta_start=float(sched.betas[0]),
+                            beta_end=float(sched.betas[-1])),
+             'cosine': dict(beta_schedule='squaredcos_cap_v2')}[schedule_kind(sched)]
+    return getattr(diffusers, cls)(num_train_timesteps=sched.num_steps, **betas, **settings,
+                                   prediction_type={'eps': 'epsilon', 'v': 'v_prediction'}[prediction])
+
+
+@torch.no_grad()
+def peer_sample(name: str, model, sched, shape, steps: int, generator: torch.Generator = None, device='cpu',
+                dtype=torch.float32, prediction: str = 'eps') -> torch.Tensor:
+    """Images from diffusers' solver `name` (PEER_SOLVERS) in `steps` calls of model(x, t), from the
+    noise our samplers draw first from `generator` (so a seed gives every solver the same x_T), driven
+    by the scheduler's own set_timesteps and step(), as its pipelines drive it. Clamped to [-1, 1]."""
+    scheduler = peer_scheduler(name, sched, prediction)
+    scheduler.set_timesteps(steps)
+    x = torch.randn(shape, generator=generator, device=device, dtype=dtype) * scheduler.init_noise_sigma
+    for t in scheduler.timesteps:
+        output = model(scheduler.scale_model_input(x, t), t.to(device).repeat(shape[0])).to(dtype)
+        x = scheduler.step(output, t, x).prev_sample.to(dtype)
+    return x.clamp(-1, 1)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import data
 import diffusion
+import students
 from checkpoint import model_from_checkpoint, read_checkpoint, require_finite, student_record
 from cli import ConfigError, StopFlag, changed_fields, check_ranges, flag, given_fields, parse_config, run_main
 from devices import pick_device
@@ -46,12 +47,15 @@ class SampleConfig:
     ckpt: str = flag('runs/ckpt.pt', 'checkpoint written by train.py, or a diffusers UNet2DModel or pipeline '
                                      'folder (such as google/ddpm-cifar10-32)')
     num: int = flag(64, 'images to draw', at_least=1)
-    sampler: str = flag('ddim', 'ddim (any --steps), dpm++ (DPM-Solver++(2M), any --steps; its accuracy by steps: '
+    sampler: str = flag('dpm++', 'ddim (any --steps), dpm++ (DPM-Solver++(2M), any --steps; its accuracy by steps: '
                                 'docs/sampling.md) or ddpm (all T steps, ancestral)',
                         choices=('ddim', 'dpm++', 'ddpm'))
     steps: typing.Optional[int] = flag(None, 'model calls of ddim and dpm++ (default 50); ddpm always takes all T '
                                              'steps and refuses the flag', at_least=1)
-    spacing: str = flag('logsnr', 'timesteps of dpm++: uniform in log-SNR or in time', choices=('logsnr', 'time'))
+    spacing: typing.Optional[str] = flag(None, 'timestep grid of ddim and dpm++, named as diffusers names it: leading, '
+                                               'trailing, linspace, or logsnr (dpm++ only); default: each sampler\'s '
+                                               'best, measured (docs/sampling.md, "Which grid")',
+                                         choices=diffusion.SPACINGS['dpm++'])
     eta: float = flag(0.0, 'DDIM eta (0: deterministic given the noise; above 1 would ask for more noise than the '
                            'step\'s posterior has)', at_least=0, at_most=1)
     variance: str = flag('fixedlarge', 'DDPM variance', choices=('fixedlarge', 'fixedsmall'))
@@ -98,21 +102,25 @@ class SampleConfig:
                                  'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
 
 
-def load_model(path: str, weights: str, device, student: bool = False) -> tuple:
+def load_model(path: str, weights: str, device, student: bool = False, named_as: str = None) -> tuple:
     """(model in eval mode, its UNetConfig, its diffusion.Schedule, what it predicts: 'eps' or 'v')
     from a train.py checkpoint or a diffusers folder (its scheduler/scheduler_config.json, or the
-    paper's schedule without one); with `student`, from a distill.py student ('v' or 'x')."""
-    named_as = f'--ckpt {path}'
+    paper's schedule without one); with `student`, from a distill.py student ('v' or 'x'). Errors
+    name the file as `named_as` (default: --ckpt PATH)."""
+    named_as = named_as or f'--ckpt {path}'
     if os.path.isdir(path):
         model, scheduler = read_diffusers(path, named_as), diffusers_scheduler(path, named_as)
         kind, num_steps, prediction = scheduler['schedule'], scheduler['num_steps'], scheduler['prediction']
+        if prediction not in (students.STUDENT_PREDICTIONS if student else diffusion.PREDICTIONS):
+            raise ConfigError(f'{named_as}: its scheduler predicts {prediction!r}, which only a student exported with '
+                              f'its student.json draws from')
     else:
         ckpt = read_checkpoint(path, named_as, student_ok=student)
         model, num_steps = model_from_checkpoint(ckpt, weights, named_as), 1000
         kind, prediction = ckpt['config'].get('schedule'), ckpt['config'].get('prediction', 'eps')
         if student:
             prediction = ckpt['student'].get('prediction')
-        if kind not in ('linear', 'cosine') or prediction not in (diffusion.STUDENT_PREDICTIONS if student
+        if kind not in ('linear', 'cosine') or prediction not in (students.STUDENT_PREDICTIONS if student
                                                                   else diffusion.PREDICTIONS):
             raise ConfigError(f'{named_as}: not a train.py checkpoint (its schedule {kind!r}, '
                               f'prediction {prediction!r})')
@@ -306,6 +314,11 @@ def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -
         raise ConfigError(f'--steps {cfg.steps}: --sampler ddpm is the ancestral sampler of all T={sched.num_steps} '
                           f'steps and takes no step count; use --sampler ddim or dpm++ for fewer')
     cfg = dataclasses.replace(cfg, steps=DEFAULT_STEPS if cfg.steps is None else cfg.steps)
+    if cfg.sampler in diffusion.SPACINGS or cfg.spacing is not None:  # resolved, so that samples.json names it
+        try:
+            cfg = dataclasses.replace(cfg, spacing=diffusion.spacing_for(cfg.sampler, cfg.spacing, cfg.steps))
+        except ValueError as error:
+            raise ConfigError(f'--spacing {cfg.spacing}: {error}') from None
     if cfg.sampler != 'ddpm' and cfg.steps > sched.num_steps:
         raise ConfigError(f'--steps {cfg.steps}: the model\'s schedule has only T={sched.num_steps} steps')
     if not 0 <= cfg.bpd_timesteps < sched.num_steps:
@@ -349,7 +362,7 @@ def check_conditioning(cfg: SampleConfig, config: UNetConfig) -> SampleConfig:
 
 def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
     """A distill.py student draws with its own sampler: its steps on the grid it was trained on
-    (diffusion.student_timesteps; sampler 'student'). Another --steps or --sampler, the flags of another
+    (students.student_timesteps; sampler 'student'). Another --steps or --sampler, the flags of another
     sampler, --guidance (it learnt one scale) and what needs all T steps are refused in one line."""
     steps, named = student['steps'], f"{cfg.ckpt} is a {student['steps']}-step student of distill.py"
     if cfg.steps is not None and cfg.steps != steps:
@@ -360,11 +373,14 @@ def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
         if name in given:
             raise ConfigError(f'--{name} {getattr(cfg, name)}: {named}, drawn with its own sampler (DDIM on its grid'
                               f'{learnt}); leave --{name} out')
-    for name in ('bpd', 'export_diffusers'):
-        if getattr(cfg, name):
-            raise ConfigError(f'--{name.replace("_", "-")}: {named}, a few-step sampler; this needs a model of every '
-                              f'timestep (its teacher)')
-    return dataclasses.replace(cfg, sampler='student', steps=steps)
+    if cfg.bpd:
+        raise ConfigError(f'--bpd: {named}, a few-step sampler; this needs a model of every timestep (its teacher)')
+    if cfg.export_diffusers and students.student_timesteps(steps)[:-1] != diffusion.ddim_timesteps(1000, steps,
+                                                                                                   'trailing'):
+        raise ConfigError(f'--export-diffusers: {named}; diffusers\' DDIMScheduler steps by 1000 // {steps} from t = '
+                          f'999, which is not its grid (a student of 1, 2, 4 or 8 steps is)')
+    # --guidance names the scale it learnt (recorded and reported); drawing.draw_batch draws it in one pass
+    return dataclasses.replace(cfg, sampler='student', steps=steps, guidance=student.get('guidance'))
 
 
 def main(cfg: SampleConfig, given: set = None) -> dict:
@@ -376,7 +392,7 @@ def main(cfg: SampleConfig, given: set = None) -> dict:
     model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device, student is not None)
     cfg = validate(cfg, config, sched)
     if cfg.export_diffusers:
-        return export_diffusers(model, sched, cfg, prediction)
+        return export_diffusers(model, sched, cfg, prediction, student)
     if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
         model = torch.compile(model)
     result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
@@ -422,7 +438,7 @@ def main(cfg: SampleConfig, given: set = None) -> dict:
     result.update(drawn)
     steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
     if drawn['images'] and drawn['seconds'] > 0:
-        guided = config.num_classes and cfg.guidance not in (0, 1)  # two halves per model call
+        guided = config.num_classes and cfg.guidance not in (0, 1) and cfg.sampler != 'student'  # two halves a call
         flops = count_flops(config)['forward'] * steps * drawn['images'] * (2 if guided else 1)
         result.update(img_per_s=drawn['images'] / drawn['seconds'], tflops=flops / drawn['seconds'] / 1e12)
         print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "
@@ -446,18 +462,20 @@ def main(cfg: SampleConfig, given: set = None) -> dict:
     return result
 
 
-def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, prediction: str) -> dict:
+def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, prediction: str,
+                     student: dict = None) -> dict:
     try:
         save_diffusers(model.cpu().float(), diffusion.schedule_kind(sched), sched.num_steps, cfg.export_diffusers,
-                       prediction)
+                       prediction, student)
     except ValueError as error:
         raise ConfigError(f'--export-diffusers: diffusers cannot represent this network or schedule '
                           f'({error})') from None
-    print(f'wrote {cfg.export_diffusers}: a diffusers DDPMPipeline of the {cfg.weights} weights of {cfg.ckpt} '
+    pipeline = 'DDPMPipeline' if student is None else f"DDIMPipeline (draw with num_inference_steps={student['steps']})"
+    print(f'wrote {cfg.export_diffusers}: a diffusers {pipeline} of the {cfg.weights} weights of {cfg.ckpt} '
           f'({diffusion.schedule_kind(sched)} schedule, T={sched.num_steps})')
-    if model.config.num_classes:  # DDPMPipeline passes no class_labels: the UNet is called directly
+    if model.config.num_classes:  # the pipelines pass no class_labels: the UNet is called directly
         print(f'  class-conditional ({model.config.num_classes} classes, "no class" = {model.config.num_classes}): '
-              f'DDPMPipeline cannot draw it (it passes no class labels); call pipeline.unet(x, t, '
+              f'{pipeline.split()[0]} cannot draw it (it passes no class labels); call pipeline.unet(x, t, '
               f'class_labels=...) in your own loop, or sample it here with sample.py --ckpt {cfg.export_diffusers}')
     return {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'export': cfg.export_diffusers}
 

@@ -124,7 +124,8 @@ class TrainConfig:
     log_every: int = flag(100, 'steps between metrics.jsonl lines (and held-out loss)', at_least=1)
     heldout_size: int = flag(256, 'images in the fixed held-out set (fixed timesteps and noise)', at_least=1)
     sample_every: int = flag(1, 'epochs between sample grids (0: never)', at_least=0)
-    sampler: str = flag('ddim', 'sampler of the grids and the FID evaluations (dpm++: DPM-Solver++(2M), log-SNR steps)',
+    sampler: str = flag('dpm++', 'sampler of the grids and the FID evaluations (dpm++: DPM-Solver++(2M)), each on its '
+                                'default grid (diffusion.DEFAULT_SPACING; docs/sampling.md, "Which grid")',
                         choices=('ddim', 'dpm++', 'ddpm'))
     sample_steps: int = flag(50, 'model calls per image of ddim and dpm++ (ddpm always takes all T)',
                              at_least=1, at_most=NUM_TIMESTEPS)

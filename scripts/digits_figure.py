@@ -46,8 +46,8 @@ def draw_figure(args: FigureConfig):
     shape = (64, config.in_channels, config.image_size, config.image_size)
     with torch.no_grad():
         generator = torch.Generator().manual_seed(0)
-        drawn = drawing.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, generator,
-                                                      prediction=prediction))
+        drawn = drawing.to_uint8(diffusion.run_sampler('ddim', model, sched, shape, 50, generator,  # the README's
+                                                      prediction=prediction, spacing='leading'))  # picture's grid
     real = data.load_digits_split(config.image_size, heldout=True)[0][:64]
     grids = [make_grid(images.float() / 255, nrow=8, padding=1, pad_value=0.5) for images in (drawn, real)]
     gap = torch.ones(3, grids[0].shape[1], 4 * config.image_size // 8)  # a white band between the two

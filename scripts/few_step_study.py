@@ -1,12 +1,15 @@
-"""Quality per model call and images per second of distill.py's students beside their teacher: the digits
-score of --num samples over --seeds sampling seeds, for the teacher's DDIM and DPM-Solver++ at --calls model
-calls, each student at its own count and the teacher's 1000-step DDPM as the reference (with a guided
-class-conditional teacher and its students also the share judged as the digit asked); then img/s at batch 1
-and at --speed-batch, eager (and compiled with --compile), of DPM-Solver++ at 20 calls against each student.
-Writes OUT_DIR/STEM.{json,md,png} after every group of rows (a stop keeps what finished) and the README's
-picture (the students at 1, 2 and 4 calls beside the teacher's DPM-Solver++ at 20, from the same noise).
+"""Quality per model call: the teacher's solvers on every grid (ours, DDIM and DPM-Solver++ on diffusers'
+grids, and diffusers' own schedulers through peers.peer_sample) and distill.py's students, each scored by the
+digits score of --num samples over --seeds sampling seeds (the same noise for every model of a seed), each
+paired seed by seed with the best solver at its number of calls and with the best at 20; the teacher's
+1000-step DDPM as the reference (a guided class-conditional teacher and its students also with the share
+judged as the digit asked). Then img/s at batch 1 and at --speed-batch, eager (and compiled with --compile),
+of DPM-Solver++ at 20 calls against each student. Without --students, the solvers alone: the table that
+chose the samplers' default grids (docs/sampling.md, "Which grid"). Writes OUT_DIR/STEM.{json,md,png} after
+every group of rows (a stop keeps what finished); --picture draws the students at 1, 2 and 4 calls beside
+the teacher's DPM-Solver++ at 20, from the same noise.
 
-    python scripts/few_step_study.py --teacher runs/ckpt.pt --students runs/distill
+    python scripts/few_step_study.py --teacher runs/ckpt.pt --calls 1,2,3,4,5,8,10,20,50 --seeds 0,1,2,3,4
     python scripts/few_step_study.py --teacher runs/ckpt.pt --students runs/distill \\
         --cond-teacher runs/cond/ckpt.pt --cond-students runs/distill-cond
     python scripts/few_step_study.py --teacher T --students S --quick --device cuda --compile  # timing only
@@ -24,25 +27,38 @@ from dataclasses import asdict, dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import diffusion  # noqa: E402
 import evaluation  # noqa: E402
 import sample  # noqa: E402
-from checkpoint import read_checkpoint, student_record  # noqa: E402
-from cli import ConfigError, StopFlag, StopRequested, check_ranges, flag, int_list, parse_config, run_main  # noqa: E402
+from checkpoint import read_checkpoint, student_record, weights_fingerprint  # noqa: E402
+from cli import (ConfigError, StopFlag, StopRequested, check_plain_name, check_ranges, flag, int_list,  # noqa: E402
+                 parse_config, run_main)
 from devices import device_name, device_slug, pick_device, synchronize  # noqa: E402
 from drawing import Sampling, class_labels, draw, draw_batch  # noqa: E402
 from files import atomic_open, check_creatable, check_writable  # noqa: E402
+from peers import PEER_SOLVERS  # noqa: E402
 from reports import markdown_table, provenance, pyplot, save_figure, write_report  # noqa: E402
+
+
+SAME_WITHIN = 1.05  # a score within 5% of another is within its noise: the spec's target for the digits score
+
+# The teacher's solvers: ours on each of diffusers' grids, then diffusers' own schedulers (peers.py).
+SOLVERS = tuple(f'{sampler}-{spacing}' for sampler in ('ddim', 'dpm++') for spacing in diffusion.SPACINGS[sampler]) \
+    + tuple(PEER_SOLVERS)
 
 
 @dataclass
 class StudyConfig:
     teacher: str = flag('', 'the unconditional teacher: a train.py digits checkpoint (required)')
-    students: str = flag('', 'its students: a distill.py --out-dir (its student-N.pt) or checkpoints, comma-separated')
+    students: str = flag('', 'its students: a distill.py --out-dir (its student-N.pt) or checkpoints, comma-separated '
+                             '(none: the teacher\'s solvers alone)')
     cond_teacher: str = flag('', 'a class-conditional teacher (train.py --class-cond), optional')
     cond_students: str = flag('', 'its guided students, as --students')
     guidance: float | None = flag(None, 'the class-conditional teacher\'s scale (default: the one its students '
                                         'learnt)', at_least=0)
-    calls: str = flag('1,2,4,8,20', 'model calls of the teacher\'s DDIM and DPM-Solver++')
+    calls: str = flag('1,2,4,8,20', 'model calls of the teacher\'s solvers')
+    solvers: str = flag(','.join(SOLVERS), 'the teacher\'s solvers, comma-separated: ours as SAMPLER-GRID, diffusers\' '
+                                          'own as diffusers-NAME (peers.PEER_SOLVERS)')
     seeds: str = flag('0,1,2', 'sampling seeds (the spread is over these)')
     num: int = flag(450, 'samples per score (450: the size of the held-out digits that set the floor)', at_least=2)
     batch_size: int = flag(450, 'images per sampling batch', at_least=1)
@@ -57,9 +73,11 @@ class StudyConfig:
     recompute: bool = flag(False, 'no sampling: the report again from OUT_DIR/STEM.json\'s rows (after a change to '
                                   'its summary)')
     data_dir: str = flag('./data', 'where the digit classifier is cached')
-    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    out_dir: str = flag('runs/few-step', 'where the JSON, Markdown and PNG go (results/ only when named: a run '
+                                         'never replaces the committed evidence by default)')
     stem: str = flag('', 'the reports\' file name (default: DEVICE-digits-few-step, such as cpu-digits-few-step)')
-    picture: str = flag('ddpm_samples/readme_few_step.png', 'the side-by-side PNG (empty: none)')
+    picture: str = flag('', 'a side-by-side PNG of the students and the teacher (the README\'s: '
+                            'ddpm_samples/readme_few_step.png; empty: none)')
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
 
 
@@ -76,22 +94,36 @@ def student_paths(text: str) -> list:
     return [part for part in text.split(',') if part]
 
 
-def load_family(teacher_path: str, students_text: str, device, flag_name: str) -> dict:
-    """{'teacher': (model, config, sched, prediction), 'students': {steps: (model, ..., record, path)}, ...}."""
-    teacher = sample.load_model(teacher_path, 'ema', device)
+def load_family(teacher_path: str, students_text: str, device, flag_name: str, students_flag: str) -> dict:
+    """{'teacher': (model, config, sched, prediction), 'students': {steps: (model, ..., record, path)}, ...},
+    each student checked to be a student of this teacher: its record's fingerprint of the teacher's
+    weights (or, for a student made before fingerprints, the teacher's train.py settings)."""
+    teacher = sample.load_model(teacher_path, 'ema', device, named_as=f'--{flag_name} {teacher_path}')
     if teacher[1].in_channels != 1:
         raise ConfigError(f'--{flag_name} {teacher_path}: not a digits model ({teacher[1].in_channels} channels)')
+    fingerprint, teacher_settings = None, None
     students = {}
     for path in student_paths(students_text):
         record = student_record(path)
         if record is None:
-            raise ConfigError(f'{path}: not a distill.py student (OUT/student-N.pt)')
-        loaded = sample.load_model(path, 'ema', device, student=True)
-        if loaded[1].image_size != teacher[1].image_size or loaded[1].num_classes != teacher[1].num_classes:
-            raise ConfigError(f'{path}: a student of another network than --{flag_name} {teacher_path}')
-        students[record['steps']] = (*loaded, record, path)
-    if not students:
-        raise ConfigError(f'no student-N.pt in {students_text!r}: pass distill.py\'s --out-dir or the files')
+            raise ConfigError(f'--{students_flag}: {path} is not a distill.py student (OUT/student-N.pt)')
+        if record['steps'] in students:
+            raise ConfigError(f'--{students_flag}: {students[record["steps"]][5]} and {path} both take '
+                              f'{record["steps"]} steps; give one student per number of steps')
+        if record.get('first_teacher_fingerprint'):
+            fingerprint = fingerprint or weights_fingerprint(teacher[0].state_dict())
+            ours = record['first_teacher_fingerprint'] == fingerprint
+        else:
+            teacher_settings = teacher_settings or read_checkpoint(teacher_path, teacher_path)['config']
+            ours = read_checkpoint(path, path, student_ok=True)['config'] == teacher_settings
+        if not ours:
+            raise ConfigError(f'--{students_flag}: {path} was distilled from another model than --{flag_name} '
+                              f'{teacher_path}')
+        students[record['steps']] = (*sample.load_model(path, 'ema', device, student=True,
+                                                        named_as=f'--{students_flag} {path}'), record, path)
+    if students_text and not students:
+        raise ConfigError(f'--{students_flag}: no student-N.pt in {students_text!r}: pass distill.py\'s --out-dir or '
+                          f'the files')
     return {'teacher': teacher, 'students': dict(sorted(students.items(), reverse=True)), 'path': teacher_path}
 
 
@@ -108,56 +140,83 @@ def made_by(path: str) -> dict:
 
 # ----------------------------------------------------------------------------- scores
 
-def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, device, stop: StopFlag, write,
-               rows: list):
-    """Appends to `rows` one row per (model, sampler, calls, seed): the digits score of --num samples, and
+def solver_sampling(solver: str, calls: int) -> dict:
+    """Sampling's fields for a solver name of SOLVERS: ours as SAMPLER-GRID, a peer by its own name."""
+    if solver in PEER_SOLVERS or solver in ('student', 'ddpm'):
+        return {'sampler': solver, 'steps': calls}
+    sampler, _, spacing = solver.rpartition('-')
+    return {'sampler': sampler, 'spacing': spacing, 'steps': calls}
+
+
+def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, solvers: list, device,
+               stop: StopFlag, write, rows: list):
+    """Appends to `rows` one row per (model, solver, calls, seed): the digits score of --num samples, and
     for a class-conditional family the share judged as the digit asked; write() after each seed."""
     config = family['teacher'][1]
-    runs = [('teacher', 'ddim', n, family['teacher']) for n in calls] + \
-           [('teacher', 'dpm++', n, family['teacher']) for n in calls] + \
+    runs = [('teacher', solver, n, family['teacher']) for solver in solvers for n in calls] + \
            [(f'student-{n}', 'student', n, family['students'][n][:4]) for n in family['students']]
     asked = class_labels(0, args.num, 10)
     for seed in seeds:  # the 1000-call reference on the first seed only: it costs as much as all the rest
         reference = [('teacher', 'ddpm', 1000, family['teacher'])] if args.ddpm and seed == seeds[0] else []
-        for name, sampler, n, (net, net_config, net_sched, net_prediction) in runs + reference:
-            sampling = Sampling(num=args.num, batch_size=args.batch_size, sampler=sampler, steps=n, seed=seed,
+        for name, solver, n, (net, net_config, net_sched, net_prediction) in runs + reference:
+            sampling = Sampling(num=args.num, batch_size=args.batch_size, seed=seed, **solver_sampling(solver, n),
                                 guidance=1.0 if name != 'teacher' else (guidance or 1.0))
             with stop.interruptible():
                 images = torch.cat(list(draw(net, net_config, net_sched, sampling, device, progress=False,
                                              prediction=net_prediction)))
-            row = {'model': name, 'sampler': sampler, 'calls': n, 'seed': seed,
+            row = {'model': name, 'sampler': solver, 'calls': n, 'seed': seed,
                    'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
                    **judge.score(judge.features(images)), **judge.memorisation(images)}
             if config.num_classes:
                 row['accuracy'] = judge.conditioning(images, asked)['accuracy']
             rows.append(row)
-            print(f"{name} {sampler} {n} calls, seed {seed}: digits FD {row['digits_fd']:.2f}"
+            print(f"{name} {solver} {n} calls, seed {seed}: digits FD {row['digits_fd']:.2f}"
                   + (f", {row['accuracy']:.1%} as asked" if 'accuracy' in row else ''), flush=True)
         write()
 
 
+def paired_ratio(group: list, reference: dict) -> dict:
+    """The geometric mean over seeds of FD / the reference's FD on the same seed (the same noise), with
+    its 95% t-interval from the log ratios; None under two pairs."""
+    logs = [math.log(r['digits_fd'] / reference[r['seed']]) for r in group if r['seed'] in reference]
+    if len(logs) < 2:
+        return None
+    spread = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+    mean = statistics.mean(logs)
+    return {'ratio': math.exp(mean), 'low': math.exp(mean - spread), 'high': math.exp(mean + spread),
+            'pairs': len(logs)}
+
+
 def summarise(rows: list) -> list:
-    """Per (model, sampler, calls): mean, sd and the 95% t-interval of the FD over the seeds; and, paired
-    seed by seed with the teacher's DPM-Solver++ at 20 calls (the same seed draws the same noise for
-    both), the geometric mean of the FD ratio with its 95% t-interval (from the log ratios)."""
+    """Per (model, solver, calls): mean, sd and the 95% t-interval of the FD over the seeds; paired seed by
+    seed (the same seed draws the same noise for every model), the FD ratio to the best teacher solver at
+    the same number of calls (the lowest mean; 'best_solver') and to the best at 20 calls, each as
+    paired_ratio. 'not_worse_than_best': it is the best, or not decided worse by more than the score's
+    target noise (the first's interval reaches SAME_WITHIN or below: solvers that converge to one ODE
+    solution differ by fractions of a percent, consistently, which decides nothing a user would see)."""
     groups = {}
     for row in rows:
         groups.setdefault((row['model'], row['sampler'], row['calls']), []).append(row)
-    reference = {r['seed']: r['digits_fd'] for r in groups.get(('teacher', 'dpm++', 20), [])}
+    means = {key: statistics.mean(r['digits_fd'] for r in group) for key, group in groups.items()}
+    best = {}
+    for (name, solver, n), mean in means.items():
+        if name == 'teacher' and solver != 'ddpm' and (n not in best or mean < means[best[n]]):
+            best[n] = (name, solver, n)
+    by_seed = {n: {r['seed']: r['digits_fd'] for r in groups[key]} for n, key in best.items()}
     out = []
-    for (name, sampler, n), group in groups.items():
+    for (name, solver, n), group in groups.items():
         fds = [r['digits_fd'] for r in group]
         sd = statistics.stdev(fds) if len(fds) > 1 else None
         half = t_quantile(len(fds) - 1) * sd / math.sqrt(len(fds)) if sd is not None else None
-        logs = [math.log(r['digits_fd'] / reference[r['seed']]) for r in group if r['seed'] in reference]
-        paired = None
-        if len(logs) > 1:
-            spread = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
-            paired = {'ratio': math.exp(statistics.mean(logs)), 'low': math.exp(statistics.mean(logs) - spread),
-                      'high': math.exp(statistics.mean(logs) + spread), 'pairs': len(logs)}
-        out.append({'model': name, 'sampler': sampler, 'calls': n, 'evaluations': group[0]['evaluations'],
+        vs_best = paired_ratio(group, by_seed[n]) if n in best and best[n] != (name, solver, n) else None
+        out.append({'model': name, 'sampler': solver, 'calls': n, 'evaluations': group[0]['evaluations'],
                     'seeds': len(fds), 'fd_mean': statistics.mean(fds), 'fd_sd': sd, 'fd_ci95': half,
-                    'paired_vs_dpm20': paired,
+                    'best_solver': best[n][1] if n in best else None, 'paired_vs_best': vs_best,
+                    'not_worse_than_best': n in best and (best[n] == (name, solver, n) or
+                                                           bool(vs_best and vs_best['low'] <= SAME_WITHIN)),
+                    'best_at_20': best[20][1] if 20 in best else None,
+                    'paired_vs_best20': paired_ratio(group, by_seed[20]) if 20 in best and best[20] != (
+                        name, solver, n) else None,
                     'near_copies_mean': statistics.mean(r['digits_near_copies'] for r in group)
                     if 'digits_near_copies' in group[0] else None,
                     'accuracy_mean': statistics.mean(r['accuracy'] for r in group) if 'accuracy' in group[0]
@@ -212,21 +271,30 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
 def study(args: StudyConfig):
     check_ranges(args)
     calls, seeds = int_list(args.calls, '--calls'), parse_seeds(args.seeds)
-    if not args.teacher or not args.students:
-        raise ConfigError('--teacher and --students are required: a digits checkpoint and its distill.py students')
-    if bool(args.cond_teacher) != bool(args.cond_students):
-        raise ConfigError('--cond-teacher and --cond-students go together')
+    solvers = [part for part in args.solvers.split(',') if part]
+    unknown = [name for name in solvers if name not in SOLVERS]
+    if unknown or not solvers:
+        raise ConfigError(f'--solvers {args.solvers!r}: each one of {", ".join(SOLVERS)}')
+    if not args.teacher:
+        raise ConfigError('--teacher is required: a train.py digits checkpoint')
+    if args.stem:
+        check_plain_name(args.stem, '--stem')
+    if args.cond_students and not args.cond_teacher:
+        raise ConfigError('--cond-students needs --cond-teacher, the model they were distilled from')
     check_creatable(args.out_dir, '--out-dir')
     device = pick_device(args.device, 0)
-    families = {'unconditional': load_family(args.teacher, args.students, device, 'teacher')}
+    families = {'unconditional': load_family(args.teacher, args.students, device, 'teacher', 'students')}
     if args.cond_teacher:
-        families['guided'] = load_family(args.cond_teacher, args.cond_students, device, 'cond-teacher')
+        families['guided'] = load_family(args.cond_teacher, args.cond_students, device, 'cond-teacher',
+                                         'cond-students')
+        size = families['guided']['teacher'][1].image_size
+        teacher_size = families['unconditional']['teacher'][1].image_size
         if families['guided']['teacher'][1].num_classes != 10:
             raise ConfigError(f'--cond-teacher {args.cond_teacher}: not a class-conditional digits model')
-    learnt = {r[4].get('guidance') for f in families.values() for r in f['students'].values()} - {None}
-    guidance = args.guidance if args.guidance is not None else (learnt.pop() if len(learnt) == 1 else None)
-    if args.cond_teacher and guidance is None:
-        raise ConfigError('--guidance: the guided students learnt different scales; name the one to compare')
+        if size != teacher_size:
+            raise ConfigError(f'--cond-teacher {args.cond_teacher}: {size}x{size} digits, --teacher {args.teacher} '
+                              f'{teacher_size}x{teacher_size}; one judge scores both: train them at one size')
+    guidance = study_guidance(args.guidance, families)
     judge = None if args.quick else evaluation.DigitsJudge(families['unconditional']['teacher'][1].image_size,
                                                            args.data_dir)
     check_writable(args.out_dir, '--out-dir')
@@ -253,15 +321,33 @@ def study(args: StudyConfig):
         for name, family in families.items():
             scale = guidance if name == 'guided' else None
             if not args.quick:
-                score_rows(args, family, judge, scale, seeds, calls, device, stop, write,
+                score_rows(args, family, judge, scale, seeds, calls, solvers, device, stop, write,
                            result['scores'].setdefault(name, []))
-            if args.speed:
+            if args.speed and family['students']:
                 speed_rows(args, family, scale, device, stop, write, result['speed'].setdefault(name, []))
     except StopRequested:
         print(f'stopped by {stop.reason}: {args.out_dir}/{stem}.* hold the rows that finished', flush=True)
     finally:
         restore()
         write()
+
+
+def study_guidance(given: float | None, families: dict) -> float | None:
+    """The one scale of the guided family: the scale its students learnt, which --guidance may name
+    but not change (a teacher at another scale than its students is another comparison)."""
+    if 'guided' not in families:
+        return given
+    learnt = {r[4].get('guidance') for r in families['guided']['students'].values()}
+    if len(learnt) > 1:
+        raise ConfigError(f'--cond-students learnt different guidance scales ({sorted(learnt)}); give the students of '
+                          f'one scale')
+    scale = learnt.pop() if learnt else given
+    if scale is None:
+        raise ConfigError('--guidance: the scale of the guided teacher, needed where there are no guided students')
+    if given is not None and given != scale:
+        raise ConfigError(f'--guidance {given}: the guided students learnt {scale}; the teacher is compared at the '
+                          f'scale its students learnt (leave --guidance out)')
+    return scale
 
 
 def parse_seeds(text: str) -> list:
@@ -274,20 +360,45 @@ def parse_seeds(text: str) -> list:
     return seeds
 
 
+def interval(paired: dict) -> str:
+    return f"{paired['ratio']:.2f} [{paired['low']:.2f}, {paired['high']:.2f}]" if paired else ''
+
+
+def grid_table(summary: list) -> str:
+    """The teacher's solvers by calls: each cell the mean FD, bold where best at its calls, and marked
+    '~' where not decided worse by more than 5% (summarise), 'x' where decided worse."""
+    solvers = list(dict.fromkeys(s['sampler'] for s in summary if s['model'] == 'teacher' and s['sampler'] != 'ddpm'))
+    cells = {(s['sampler'], s['calls']): s for s in summary if s['model'] == 'teacher'}
+    calls = sorted({n for _, n in cells if _ in solvers})
+
+    def cell(s):
+        if s is None:
+            return ''
+        if s['best_solver'] == s['sampler']:
+            return f"**{s['fd_mean']:.1f}**"
+        return f"{s['fd_mean']:.1f} {'~' if s['not_worse_than_best'] else 'x'}"
+    rows = [[solver] + [cell(cells.get((solver, n))) for n in calls] +
+            [sum(1 for n in calls if (solver, n) in cells and cells[solver, n]['not_worse_than_best'])]
+            for solver in solvers]
+    return markdown_table(['solver'] + [f'{n} calls' for n in calls] + ['calls where best or not worse'], rows)
+
+
 def report(args: StudyConfig, stem: str, result: dict, judge):
     """STEM.json and .md from the rows so far, and STEM.png when there are more scores than it shows."""
     result['summary'] = {name: summarise(rows) for name, rows in result['scores'].items() if rows}
     tables = []
     for name, summary in result['summary'].items():
-        reference = next((s['fd_mean'] for s in summary if s['sampler'] == 'dpm++' and s['calls'] == 20), None)
-        tables.append(f'### {name}\n\n' + markdown_table(
-            ['model', 'sampler', 'calls', 'network evaluations', 'digits FD, mean +- sd', '95% interval',
-             'x DPM-Solver++-20', 'paired with it, same noise [95%]', 'near copies']
-            + (['judged as asked'] if name == 'guided' else []),
+        label = f"{name} (teacher and students at guidance {result['guidance']})" if name == 'guided' else name
+        tables.append(f'### {label}: the teacher\'s solvers, digits FD by calls (bold: best; ~: not decided '
+                      f'worse by more than 5% on the seeds\' paired interval; x: worse)\n\n'
+                      + grid_table(summary))
+        tables.append(f'### {label}: every model\n\n' + markdown_table(
+            ['model', 'solver', 'calls', 'network evaluations', 'digits FD, mean +- sd', '95% interval',
+             'best solver at these calls', 'paired with it, same noise [95%]', 'paired with the best at 20 [95%]',
+             'near copies'] + (['judged as asked'] if name == 'guided' else []),
             [[s['model'], s['sampler'], s['calls'], s['evaluations'],
               f"{s['fd_mean']:.2f} +- {s['fd_sd'] or 0:.2f}", f"+- {s['fd_ci95']:.2f}" if s['fd_ci95'] else '',
-              f"{s['fd_mean'] / reference:.2f}" if reference else '',
-              (lambda p: f"{p['ratio']:.2f} [{p['low']:.2f}, {p['high']:.2f}]" if p else '')(s.get('paired_vs_dpm20')),
+              s['best_solver'] or '', interval(s['paired_vs_best']), interval(s['paired_vs_best20']),
               '' if s.get('near_copies_mean') is None else f"{s['near_copies_mean']:.1%}"] +
              ([f"{s['accuracy_mean']:.1%}"] if name == 'guided' else []) for s in summary], left=2))
     for name, rows in result['speed'].items():
@@ -296,7 +407,7 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
             [[r['model'], r['calls'], r['evaluations'], r['batch'], 'yes' if r['compiled'] else 'no',
               f"{r['img_per_s']:.1f}"] for r in rows]))
     floor = f'; the floor (450 held-out digits): FD {judge.floor["digits_fd"]:.2f}' if judge else ''
-    path = write_report(args.out_dir, stem, result, 'Few-step students against their teacher',
+    path = write_report(args.out_dir, stem, result, 'The teacher\'s solvers and its few-step students',
                         '\n\n'.join(tables) or '(no rows yet)',
                         notes=f'; {args.num} samples per score, seeds {args.seeds}{floor}')
     scored = sum(len(rows) for rows in result['scores'].values())
@@ -307,16 +418,16 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
 
 def plot(summaries: dict, judge, path: str):
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(summaries), figsize=(5.5 * len(summaries), 4), squeeze=False)
+    fig, axes = plt.subplots(1, len(summaries), figsize=(6.5 * len(summaries), 4.5), squeeze=False)
     for ax, (name, summary) in zip(axes[0], summaries.items()):
-        for sampler, style in (('ddim', 'o-'), ('dpm++', 's-'), ('student', 'D-')):
+        for solver in dict.fromkeys(s['sampler'] for s in summary if s['sampler'] != 'ddpm'):
             points = sorted((s['evaluations'], s['fd_mean'], s['fd_sd'] or 0) for s in summary
-                            if s['sampler'] == sampler)
-            if points:
-                x, y, e = zip(*points)
-                ax.errorbar(x, y, yerr=e, fmt=style, capsize=3,
-                            label={'ddim': 'teacher, DDIM', 'dpm++': 'teacher, DPM-Solver++',
-                                   'student': 'students (distilled)'}[sampler])
+                            if s['sampler'] == solver)
+            x, y, e = zip(*points)
+            style = 'D-' if solver == 'student' else ('--' if solver in PEER_SOLVERS else '-')
+            ax.errorbar(x, y, yerr=e if solver == 'student' else None, fmt=style, capsize=3, lw=2.5 if solver ==
+                        'student' else 1, color='black' if solver == 'student' else None,
+                        label='students (distilled)' if solver == 'student' else solver)
         ddpm = [s for s in summary if s['sampler'] == 'ddpm']
         if ddpm:
             ax.axhline(ddpm[0]['fd_mean'], color='grey', ls=':', label='teacher, DDPM 1000 calls')
@@ -324,7 +435,7 @@ def plot(summaries: dict, judge, path: str):
             ax.axhline(judge.floor['digits_fd'], color='green', ls='--', label='floor: held-out digits')
         ax.set(xscale='log', yscale='log', xlabel='network evaluations per image', ylabel='digits FD (lower is better)',
                title=name)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6, ncol=2)
     save_figure(fig, path)
 
 

@@ -1,5 +1,5 @@
 """How close each sampler comes to exact answers, by model calls: DDIM (unclipped, the default; and
-with x_0 clipped, diffusers' clip_sample), DDPM and DPM-Solver++ (both spacings) at 5 to 1000 calls.
+with x_0 clipped, diffusers' clip_sample), DDPM and DPM-Solver++ (linspace, trailing, logsnr) at 5 to 1000 calls.
 
 On a 2-D Gaussian mixture with its closed-form denoiser (GaussianMixture): the error of the
 samples' mean and covariance, their sliced Wasserstein-1 distance to true samples, and their RMS
@@ -37,7 +37,7 @@ class AccuracyConfig:
 
 
 CALLS = (5, 10, 20, 50, 100, 1000)
-SAMPLERS = ('ddim', 'ddim-clip-x0', 'ddpm', 'dpm++-time', 'dpm++-logsnr')
+SAMPLERS = ('ddim', 'ddim-clip-x0', 'ddpm', 'dpm++-linspace', 'dpm++-trailing', 'dpm++-logsnr')
 
 
 class GaussianMixture(torch.nn.Module):
@@ -88,7 +88,7 @@ def sliced_wasserstein(a: torch.Tensor, b: torch.Tensor, projections: int = 128,
 
 def solve(sampler: str, calls: int, model, sched, shape, seed: int, device, prediction: str = 'eps') -> torch.Tensor:
     """x_0 from x_T drawn with `seed` (the same x_T for every sampler) in `calls` model calls.
-    'ddpm' below T calls is the ancestral sampler over a strided sub-sequence (DDIM at eta 1); only
+    'ddim' and 'ddpm' below T calls (DDIM at eta 1) take the DDIM code's grid, 'leading'; only
     'ddim-clip-x0' clips the predicted x_0, so the others solve one ODE (or SDE)."""
     dtype = torch.float64 if isinstance(model, GaussianMixture) else torch.float32
     kind, _, option = sampler.partition('-')
@@ -99,7 +99,7 @@ def solve(sampler: str, calls: int, model, sched, shape, seed: int, device, pred
     if kind == 'ddpm' and calls == sched.num_steps:
         return diffusion.run_sampler('ddpm', model, sched, shape, clip='none', **common)
     return diffusion.run_sampler('ddim', model, sched, shape, calls, eta=1.0 if kind == 'ddpm' else 0.0,
-                                 clip='x0' if option == 'clip-x0' else 'none', **common)
+                                 clip='x0' if option == 'clip-x0' else 'none', spacing='leading', **common)
 
 
 def mixture_rows(calls: tuple, n: int, seed: int) -> tuple:
@@ -107,7 +107,7 @@ def mixture_rows(calls: tuple, n: int, seed: int) -> tuple:
     mixture = GaussianMixture(sched, [[-0.5, -0.4], [0.5, -0.3], [0.0, 0.6]], 0.08, [0.3, 0.3, 0.4])
     true_mean, true_cov = mixture.moments()
     truth, shape, cpu = mixture.sample(n, torch.Generator().manual_seed(seed + 1)), (n, 2, 1, 1), torch.device('cpu')
-    ode = solve('dpm++-time', sched.num_steps, mixture, sched, shape, seed, cpu)
+    ode = solve('dpm++-linspace', sched.num_steps, mixture, sched, shape, seed, cpu)
     rows = []
     for sampler in SAMPLERS:
         for k in calls:
@@ -130,7 +130,8 @@ def checkpoint_rows(loaded: tuple, path: str, calls: tuple, batch: int, seed: in
     `reference_calls` of them). `loaded`: sample.load_model's (model, config, schedule, prediction) of `path`."""
     model, config, sched, prediction = loaded
     shape = (batch, config.in_channels, config.image_size, config.image_size)
-    reference = solve('dpm++-time', reference_calls or sched.num_steps, model, sched, shape, seed, device, prediction)
+    reference = solve('dpm++-linspace', reference_calls or sched.num_steps, model, sched, shape, seed, device,
+                      prediction)
     rows = []
     for sampler in [s for s in SAMPLERS if s != 'ddpm']:
         for k in calls:
@@ -175,8 +176,8 @@ def study(args: AccuracyConfig):
 
 def plot(rows: list, path: str, floor: float):
     """Error against model calls, log-log: one panel per measure and data, one colour per sampler."""
-    colours = {'ddim': 'tab:blue', 'ddim-clip-x0': 'tab:red', 'ddpm': 'tab:gray', 'dpm++-time': 'tab:orange',
-               'dpm++-logsnr': 'tab:green'}
+    colours = {'ddim': 'tab:blue', 'ddim-clip-x0': 'tab:red', 'ddpm': 'tab:gray', 'dpm++-linspace': 'tab:orange',
+               'dpm++-trailing': 'tab:purple', 'dpm++-logsnr': 'tab:green'}
     panels = [('gaussian mixture (2-D)', 'sliced_w1', 'sliced W1 to the true distribution'),
               ('gaussian mixture (2-D)', 'to_ode', 'RMS distance to the ODE solution')]
     panels += [(d, 'to_ode', 'RMS distance to the ODE solution') for d in dict.fromkeys(r['data'] for r in rows)

@@ -54,12 +54,12 @@ def test_guiding_v_is_guiding_eps():
     x, t, labels = torch.randn(3, 1, 4, 4, dtype=torch.float64), torch.tensor([10, 400, 990]), torch.tensor([1, 2, 5])
 
     def eps_of_v(xt, tt, y):  # the eps a v network's output stands for
-        alpha = diffusion._gather(sched.sqrt_alphas_cumprod.double(), tt, xt)
-        sigma = diffusion._gather(sched.sqrt_one_minus_alphas_cumprod.double(), tt, xt)
+        alpha = diffusion.gather(sched.sqrt_alphas_cumprod.double(), tt, xt)
+        sigma = diffusion.gather(sched.sqrt_one_minus_alphas_cumprod.double(), tt, xt)
         return diffusion.eps_and_x0(toy(xt, tt, y), xt, alpha, sigma, 'v')[0]
     guided_v = diffusion.guided(toy, labels, 3.0, 10)(x, t)
-    alpha = diffusion._gather(sched.sqrt_alphas_cumprod.double(), t, x)
-    sigma = diffusion._gather(sched.sqrt_one_minus_alphas_cumprod.double(), t, x)
+    alpha = diffusion.gather(sched.sqrt_alphas_cumprod.double(), t, x)
+    sigma = diffusion.gather(sched.sqrt_one_minus_alphas_cumprod.double(), t, x)
     guided_then_eps = diffusion.eps_and_x0(guided_v, x, alpha, sigma, 'v')[0]
     eps_then_guided = diffusion.guided(eps_of_v, labels, 3.0, 10)(x, t)
     assert torch.allclose(guided_then_eps, eps_then_guided, atol=1e-12)

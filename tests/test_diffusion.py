@@ -142,15 +142,12 @@ def test_ddim_step_matches_diffusers(clip, prediction):
         assert (ours - theirs).abs().max() < 1e-12
 
 
-def test_ddim_timesteps():
-    # The DDIM code's 'uniform' skip and diffusers' 'leading' spacing: every (T // S)-th step from 0.
-    assert ddim_timesteps(1000, 1000) == list(range(1000))
-    assert ddim_timesteps(1000, 50) == list(range(0, 1000, 20))
-    assert ddim_timesteps(1000, 3) == [0, 333, 666]
-    assert ddim_timesteps(1000, 1) == [0]
+def test_timesteps_refuse_counts_outside_the_schedule():
     for bad in (0, 1001):
         with pytest.raises(ValueError):
             ddim_timesteps(1000, bad)
+        with pytest.raises(ValueError):
+            dpm_solver_timesteps(make_schedule(1000), bad)
 
 
 class SmoothEps(torch.nn.Module):
@@ -212,7 +209,7 @@ def test_whole_ddim_sampler_matches_diffusers(steps, eta, clip, prediction):
     shape = (2, 3, 4, 4)
     theirs = diffusers_loop(scheduler, shape, seed=5, steps=steps, eta=eta, use_clipped_model_output=use_clipped)
     ours = ddim_sample(SmoothEps(), make_schedule(1000), shape, steps, eta, torch.Generator().manual_seed(5),
-                       dtype=torch.float64, clip=clip, prediction=prediction)
+                       dtype=torch.float64, clip=clip, prediction=prediction, spacing='leading')  # their default
     assert (ours - theirs).abs().max() < 1e-10
     assert theirs.std() > 0.1
 
@@ -436,7 +433,7 @@ class SmoothModel(torch.nn.Module):
 
 @pytest.mark.parametrize('prediction', ['eps', 'v'])
 @pytest.mark.parametrize('kind', ['linear', 'cosine'])
-@pytest.mark.parametrize('spacing', ['time', 'logsnr'])
+@pytest.mark.parametrize('spacing', ['linspace', 'logsnr'])
 @pytest.mark.parametrize('steps', [7, 20])
 def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps, prediction):
     # Our DPM-Solver++(2M) loop against diffusers' DPMSolverMultistepScheduler driven by its own
@@ -452,9 +449,9 @@ def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps, p
         algorithm_type='dpmsolver++', solver_order=2, solver_type='midpoint', lower_order_final=True,
         final_sigmas_type='zero', prediction_type=PREDICTION_IN_DIFFUSERS[prediction], thresholding=False)
     timesteps = dpm_solver_timesteps(sched, steps, spacing)
-    if spacing == 'time':
+    if spacing == 'linspace':
         theirs.set_timesteps(steps)
-        assert theirs.timesteps.tolist() == timesteps  # their own 'linspace' spacing is ours
+        assert theirs.timesteps.tolist() == timesteps  # their own 'linspace' spacing is ours (tests/test_grids.py)
     else:
         theirs.set_timesteps(timesteps=timesteps)
     abar = sched.alphas_cumprod[timesteps]
@@ -468,22 +465,19 @@ def test_whole_dpm_solver_matches_diffusers(monkeypatch, kind, spacing, steps, p
     assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10
     assert (ours - x.clamp(-1, 1)).abs().max() < 1e-10 < (ours - ddim_sample(
         model, sched, shape, steps, generator=torch.Generator().manual_seed(0), dtype=torch.float64,
-        prediction=prediction)).abs().max()  # DDIM at as many steps is another path
+        prediction=prediction, spacing='leading')).abs().max()  # DDIM at as many steps is another path
 
 
-def test_dpm_solver_timesteps():
+def test_dpm_solver_logsnr_timesteps():
     sched = make_schedule(1000)
-    assert dpm_solver_timesteps(sched, 4, 'time') == [999, 749, 500, 250]
     steps = dpm_solver_timesteps(sched, 10, 'logsnr')
-    assert steps[0] == 999 and steps[-1] == 0 and steps == sorted(steps, reverse=True)
+    assert steps[0] == 999 and steps[-1] > 0 and steps == sorted(steps, reverse=True)
     lambdas = [log_snr(sched, t) for t in steps]
     gaps = np.diff(lambdas)
-    assert np.allclose(gaps, gaps.mean(), rtol=0.2)  # even steps in log-SNR, up to rounding to timesteps
+    assert np.allclose(gaps, (log_snr(sched, 0) - log_snr(sched, 999)) / 10, rtol=0.2)  # 11 even levels, less the last
     assert log_snr(sched, -1) == math.inf
     assert log_snr(sched, 3) == pytest.approx(0.5 * math.log(sched.alphas_cumprod[3].item()
                                                              / (1 - sched.alphas_cumprod[3].item())), rel=1e-12)
-    with pytest.raises(ValueError):
-        dpm_solver_timesteps(sched, 0)
 
 
 class GaussianDenoiser(torch.nn.Module):
@@ -518,12 +512,12 @@ def test_dpm_solver_reaches_the_exact_ode_solution_at_second_order():
                     **kwargs)
         return (x - exact).square().mean().sqrt().item()
     ddim = [error(ddim_sample, n, clip_denoised=False) for n in (20, 40, 80)]
-    dpm = [error(dpm_solver_sample, n, spacing='time') for n in (20, 40, 80)]
+    dpm = [error(dpm_solver_sample, n, spacing='linspace') for n in (20, 40, 80)]
     assert 0.8 < math.log2(ddim[0] / ddim[2]) / 2 < 1.2, ddim  # first order
     assert math.log2(dpm[0] / dpm[2]) / 2 > 1.6, dpm  # second order
-    assert error(dpm_solver_sample, 1000, spacing="time") < 2e-4
+    assert error(dpm_solver_sample, 1000, spacing="linspace") < 2e-4
     assert error(ddim_sample, 1000, clip_denoised=False) < 2e-3
-    assert error(dpm_solver_sample, 20) < error(ddim_sample, 50, clip_denoised=False) / 5  # log-SNR steps, 20 calls
+    assert error(dpm_solver_sample, 20, spacing='logsnr') < error(ddim_sample, 50, clip_denoised=False) / 5
 
 
 def test_the_accuracy_studys_gaussian_mixture_is_the_exact_denoiser():
@@ -582,7 +576,7 @@ def test_ddim_converges_to_the_probability_flow_ode_by_default():
                            dtype=torch.float64, **kwargs)
 
     def converged(denoiser):
-        return dpm_solver_sample(denoiser, sched, shape, 1000, 'time', generator=torch.Generator().manual_seed(0),
+        return dpm_solver_sample(denoiser, sched, shape, 1000, 'linspace', generator=torch.Generator().manual_seed(0),
                                  dtype=torch.float64)
     dist = lambda a, b: (a - b).abs().mean().item()  # in units of [-1, 1]: 1/127.5 is a grey level
     ode = converged(model)
@@ -621,8 +615,8 @@ def test_run_sampler_is_each_sampler(prediction):
         (dict(name='ddim', steps=7, clip='x0+eps'),
          lambda: ddim_sample(model, sched, shape, 7, generator=seed(), clip='x0+eps', prediction=prediction)),
         (dict(name='ddim'), lambda: ddim_sample(model, sched, shape, 50, generator=seed(), prediction=prediction)),
-        (dict(name='dpm++', steps=6, spacing='time'),
-         lambda: dpm_solver_sample(model, sched, shape, 6, 'time', seed(), prediction=prediction)),
+        (dict(name='dpm++', steps=6, spacing='linspace'),
+         lambda: dpm_solver_sample(model, sched, shape, 6, 'linspace', seed(), prediction=prediction)),
         (dict(name='dpm++'),
          lambda: dpm_solver_sample(model, sched, shape, 20, generator=seed(), prediction=prediction)),
     ]

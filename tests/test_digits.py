@@ -374,3 +374,20 @@ def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path, digits_cac
     images = torch.cat(list(draw(model, config, sched, Sampling(num=450, batch_size=32, sampler='dpm++', steps=20),
                                  torch.device('cpu'), progress=False)))
     assert judge.score(judge.features(images))['digits_fd'] == scores[0]
+
+
+def test_the_memorisation_rules_by_hand(judge):
+    # A near copy: nearer a training digit than the closest 1% of the calibration half of the unseen digits
+    # (so the other half, the floor, shows about 1%); the ratio: the median nearest distance over the
+    # calibration half's median (a mean would read otherwise on a mix of copies and unseen digits).
+    heldout, training = digits(True)[0], digits(False)[0]
+    order = np.random.RandomState(0).permutation(len(heldout))
+    calibration = judge.nearest_training_distance(heldout[torch.from_numpy(order[:len(heldout) // 2])])
+    assert judge.copy_distance == pytest.approx(np.quantile(calibration, 0.01), rel=1e-12)
+    assert 0 < judge.floor['digits_near_copies'] <= 0.025
+    mixed = torch.cat([training[:150], judge.floor_half[150:]])
+    distance = judge.nearest_training_distance(mixed)
+    result = judge.memorisation(mixed)
+    assert result['digits_nn_ratio'] == pytest.approx(np.median(distance) / np.median(calibration), rel=1e-12)
+    assert abs(np.mean(distance) / np.mean(calibration) / result['digits_nn_ratio'] - 1) > 0.1  # the rule matters
+    assert result['digits_near_copies'] == pytest.approx((distance < np.quantile(calibration, 0.01)).mean())

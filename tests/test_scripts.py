@@ -24,7 +24,7 @@ def test_solver_accuracy_against_exact_answers(tmp_path):
     result = json.loads((tmp_path / 'acc.json').read_text())
     rows = {(r['data'][:7], r['sampler'], r['calls']): r for r in result['rows']}
     assert {calls for _, _, calls in rows} == {5, 20}
-    for sampler in ('ddim', 'dpm++-time', 'dpm++-logsnr'):
+    for sampler in ('ddim', 'dpm++-linspace', 'dpm++-trailing', 'dpm++-logsnr'):
         assert rows['gaussia', sampler, 20]['to_ode'] < rows['gaussia', sampler, 5]['to_ode']
         assert rows['trained', sampler, 20]['to_ode'] < rows['trained', sampler, 5]['to_ode']
     assert rows['gaussia', 'ddpm', 5]['to_ode'] is None and ('trained', 'ddpm', 5) not in rows
