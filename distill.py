@@ -278,6 +278,10 @@ def main(cfg: DistillConfig, given: set = None) -> dict:
             d = build(cfg, ckpt, device, stop)
         release = claim_folder(cfg.out_dir, '--out-dir', ('*.pt.tmp',), () if cfg.resume else ('metrics.jsonl',))
         step = restore(d, ckpt) if cfg.resume else 0
+        if step >= d.total_steps:  # a finished run resumed: nothing to train, nothing to log again
+            print(f'{cfg.out_dir}: finished already ({step} steps; students of {", ".join(map(str, stage_steps(cfg)))} '
+                  f'steps): nothing to do')
+            return {'step': step, 'stopped': None, 'checkpoint': os.path.join(cfg.out_dir, 'distill.pt')}
         log = JsonLines(os.path.join(cfg.out_dir, 'metrics.jsonl'))
         log.drop_after(step)
         log.write({'config': asdict(cfg), 'teacher_config': d.teacher_config, 'start_step': step,

@@ -146,7 +146,7 @@ def test_training_and_sampling_call_the_student_on_one_grid(monkeypatch):
         assert seen['teacher'] == set(students.student_timesteps(2 * steps)[:-1])
     assert seen['sample'] == [999, 874, 749, 624, 499, 374, 249, 124]
     # One function: another grid moves training and sampling together.
-    monkeypatch.setattr(diffusion, 'student_timesteps', lambda n, num_steps=1000: [999 - 600 // n * i for i in range(n)]
+    monkeypatch.setattr(students, 'student_timesteps', lambda n, num_steps=1000: [999 - 600 // n * i for i in range(n)]
                         + [-1])
     seen = {'train': set(), 'sample': [], 'teacher': set()}
     distill.distillation_loss(student, teacher, SCHED, torch.zeros(400, 1), 2)
@@ -345,8 +345,10 @@ def test_a_changed_setting_on_resume_is_refused_and_a_student_is_refused_by_trai
     try:
         relative = os.path.relpath(load(whole / 'distill.pt')['distill']['ckpt'])
         assert not os.path.isabs(relative)
+        rows = (whole / 'metrics.jsonl').read_text()
         assert distill.cli(['--resume', 'auto', '--out-dir', str(whole), '--ckpt', relative]) == 0
-        capsys.readouterr()
+        assert (whole / 'metrics.jsonl').read_text() == rows  # a finished run adds no rows
+        assert 'finished already' in capsys.readouterr().out
         assert distill.cli(['--resume', 'auto', '--out-dir', str(whole), '--ckpt', str(whole / 'student-1.pt')]) == 2
         assert 'an exact resume needs the same value' in one_error(capsys)
     finally:

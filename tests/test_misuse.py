@@ -254,7 +254,8 @@ def test_heldout_losses_of_a_resumed_run_are_those_of_the_uninterrupted_run(tmp_
 # ----------------------------------------------------------------------------- sample.py's flags, found by a tester
 
 def test_a_rerun_with_another_clip_is_refused_not_mixed(tmp_path, tiny_ckpt, capsys):
-    common = ['--ckpt', tiny_ckpt, '--num', '2', '--steps', '2', '--device', 'cpu', '--out', str(tmp_path / 's')]
+    common = ['--ckpt', tiny_ckpt, '--num', '2', '--steps', '2', '--sampler', 'ddim', '--device', 'cpu', '--out',
+              str(tmp_path / 's')]
     assert sample.cli(common + ['--clip', 'x0']) == 0
     assert sample.cli(common + ['--clip', 'none']) == 2
     assert 'clip' in one_error_line(capsys)

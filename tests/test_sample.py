@@ -140,7 +140,7 @@ def test_samples_use_the_checkpoints_schedule(tmp_path):
         tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
     torch.save(ckpt, path)
     assert sample.cli(['--ckpt', str(path), '--num', '3', '--batch-size', '3', '--steps', '4', '--eta', '0.5',
-                       '--device', 'cpu', '--format', 'npz', '--out', str(tmp_path / 'out')]) == 0
+                       '--sampler', 'ddim', '--device', 'cpu', '--format', 'npz', '--out', str(tmp_path / 'out')]) == 0
     got = torch.from_numpy(np.load(tmp_path / 'out' / 'samples_3x16.npz')['arr_0']).permute(0, 3, 1, 2)
     model = UNet(UNetConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in ckpt['model_config'].items()}))
     model.load_state_dict(ckpt['ema'])
@@ -343,7 +343,7 @@ def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
         tensor.add_(0.02 * torch.randn(tensor.shape, generator=generator))
     torch.save(saved, tmp_path / 'trained.pt')
     model, _, sched, _ = sample.load_model(str(tmp_path / 'trained.pt'), 'ema', torch.device('cpu'))
-    for spacing in ('logsnr', 'time'):
+    for spacing in ('logsnr', 'linspace'):
         assert sample.cli(['--ckpt', str(tmp_path / 'trained.pt'), '--sampler', 'dpm++', '--steps', '4', '--spacing',
                            spacing, '--num', '3', '--batch-size', '3', '--device', 'cpu', '--format', 'npz',
                            '--out', str(tmp_path / spacing)]) == 0
@@ -351,7 +351,7 @@ def test_dpm_solver_from_the_command_line(ckpt, tmp_path):
         x = diffusion.dpm_solver_sample(model, sched, (3, 3, 16, 16), 4, spacing,
                                         generator=torch.Generator().manual_seed(batch_seed(0, 0)))
         assert torch.equal(got, drawing.to_uint8(x))
-    assert not np.array_equal(*(np.load(tmp_path / s / 'samples_3x16.npz')['arr_0'] for s in ('logsnr', 'time')))
+    assert not np.array_equal(*(np.load(tmp_path / s / 'samples_3x16.npz')['arr_0'] for s in ('logsnr', 'linspace')))
 
 
 

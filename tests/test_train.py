@@ -759,15 +759,15 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 def test_modules_import_only_the_layers_below_them():
     # cli at the bottom; the plumbing (files, devices, ranks, reports); then the model, the maths and the
-    # data sets; the loaders and diffusers' formats; drawing images and the peers; evaluation; our
-    # checkpoints (saved only once evaluation's checks pass); sampling, training's config and log; training
-    # and distillation; the step's bound and its profile; the benchmark. The Triton kernels sit under the
-    # model, which calls them.
+    # data sets; the loaders, diffusers' formats and the students' maths; the peers (diffusers' UNet, recipe
+    # and solvers); drawing images (with any solver, the peers' too); evaluation; our checkpoints (saved only
+    # once evaluation's checks pass); sampling, training's config and log; training and distillation; the
+    # step's bound and its profile; the benchmark. The Triton kernels sit under the model, which calls them.
     import ast
     layer = {'cli': 0, 'kernels': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3,
-             'diffusion': 3, 'data': 3, 'loaders': 4, 'diffusers_io': 4, 'drawing': 5, 'peers': 5, 'evaluation': 6,
-             'checkpoint': 7, 'sample': 8, 'train_config': 8, 'training_log': 8, 'train': 9, 'distill': 9,
-             'roofline': 10, 'timing': 10, 'profiling': 11, 'benchmark': 12}
+             'diffusion': 3, 'data': 3, 'loaders': 4, 'diffusers_io': 4, 'students': 4, 'peers': 5, 'drawing': 6,
+             'evaluation': 7, 'checkpoint': 8, 'sample': 9, 'train_config': 9, 'training_log': 9, 'train': 10,
+             'distill': 10, 'roofline': 11, 'timing': 11, 'profiling': 12, 'benchmark': 13}
     folder = os.path.dirname(train.__file__)
     assert sorted(f[:-3] for f in os.listdir(folder) if f.endswith('.py')) == sorted(layer)  # a flat set of modules
     for name in layer:
