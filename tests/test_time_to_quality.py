@@ -874,6 +874,7 @@ def test_a_stop_stops_the_ladder_without_a_report_and_the_rerun_continues(tmp_pa
     process.send_signal(signal.SIGTERM)
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0 and 'no report written' in out, err[-2000:]
+    assert 'baseline-1600-seed0: stopped; the ladder does not resume its runs' in out
     assert not (tmp_path / 'out' / 'ladder.json').exists()  # nothing built on a cut run
     assert not (tmp_path / 'out' / 'ladder-runs').exists()
     assert not (tmp_path / 'runs' / 'baseline-1600-seed1').exists()  # the ladder did not go on

@@ -276,6 +276,9 @@ def run_job(job: Job, cfg: LadderConfig, identity: dict, stop: StopFlag = None) 
     finally:
         restore()
     if result is None:
+        if not job.arm.recipe and os.path.isfile(os.path.join(folder, 'ckpt.pt')):  # train.py's hint is not ours
+            print(f'{job.name}: stopped; the ladder does not resume its runs, so a rerun of the ladder trains it '
+                  f'from its start (the --resume hint above is for train.py alone)', flush=True)
         return None
     if not result['curve']:
         raise RunFailed(f'{job.arm.name}, seed {job.seed}: the run ended before its first evaluation')
