@@ -57,6 +57,8 @@ class StudyConfig:
     guidance: float | None = flag(None, 'the class-conditional teacher\'s scale (default: the one its students '
                                         'learnt)', at_least=0)
     calls: str = flag('1,2,4,8,20', 'model calls of the teacher\'s solvers')
+    only: str = flag('', 'score and time one family alone (--teacher still sets the judge\'s image size)',
+                     choices=('', 'unconditional', 'guided'))
     solvers: str = flag(','.join(SOLVERS), 'the teacher\'s solvers, comma-separated: ours as SAMPLER-GRID, diffusers\' '
                                           'own as diffusers-NAME (peers.PEER_SOLVERS)')
     seeds: str = flag('0,1,2', 'sampling seeds (the spread is over these)')
@@ -279,6 +281,8 @@ def study(args: StudyConfig):
         raise ConfigError('--teacher is required: a train.py digits checkpoint')
     if args.stem:
         check_plain_name(args.stem, '--stem')
+    if args.only == 'guided' and not args.cond_teacher:
+        raise ConfigError('--only guided needs --cond-teacher')
     if args.cond_students and not args.cond_teacher:
         raise ConfigError('--cond-students needs --cond-teacher, the model they were distilled from')
     check_creatable(args.out_dir, '--out-dir')
@@ -319,6 +323,8 @@ def study(args: StudyConfig):
         if args.picture and not args.quick:
             picture(families['unconditional'], args.picture)
         for name, family in families.items():
+            if args.only and name != args.only:
+                continue
             scale = guidance if name == 'guided' else None
             if not args.quick:
                 score_rows(args, family, judge, scale, seeds, calls, solvers, device, stop, write,

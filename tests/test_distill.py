@@ -565,11 +565,13 @@ def test_the_study_writes_under_runs_unless_told_and_labels_a_guided_family(teac
     monkeypatch.chdir(tmp_path)
     assert few_step_study.main(['--teacher', teachers['uncond'], '--cond-teacher', teachers['cond'], '--cond-students',
                                 others['guided'], '--calls', '1', '--seeds', '0', '--num', '4', '--batch-size', '4',
-                                '--solvers', 'dpm++-trailing', '--no-ddpm', '--no-speed', '--device', 'cpu']) == 0
+                                '--solvers', 'dpm++-trailing', '--no-ddpm', '--no-speed', '--device', 'cpu',
+                                '--only', 'guided']) == 0
     assert sorted(p.name for p in (tmp_path / 'runs' / 'few-step').iterdir()) == [
         'cpu-digits-few-step.json', 'cpu-digits-few-step.md', 'cpu-digits-few-step.png']
     assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
     result = json.load(open(tmp_path / 'runs' / 'few-step' / 'cpu-digits-few-step.json'))
+    assert list(result['scores']) == ['guided']  # --only guided: the unconditional teacher sets the size alone
     assert result['guidance'] == 1.5 and 'guidance 1.5' in (tmp_path / 'runs' / 'few-step' /
                                                              'cpu-digits-few-step.md').read_text()
 
