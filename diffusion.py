@@ -328,8 +328,8 @@ def ddpm_sample(model, sched: Schedule, shape, generator: torch.Generator = None
 
 # The timestep grids of the few-call samplers, named and computed as diffusers' schedulers name and
 # compute them (`timestep_spacing`; `use_lu_lambdas` for 'logsnr'), decreasing. The defaults are the
-# grids measured best, or within the sampling noise of best, at every number of calls from 1 to 50
-# (results/cpu-digits-solver-grids.md; docs/sampling.md, "Which grid").
+# grids measured best, or not worse than the best by more than the score's 5% noise on paired seeds, at
+# every number of calls from 1 to 50 (results/cpu-digits-solver-grids*.md; docs/sampling.md, "Which grid").
 SPACINGS = {'ddim': ('leading', 'trailing', 'linspace'), 'dpm++': ('leading', 'trailing', 'linspace', 'logsnr')}
 DEFAULT_SPACING = {'ddim': 'trailing', 'dpm++': 'leading'}
 
