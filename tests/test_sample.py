@@ -211,6 +211,9 @@ def test_diffusers_folder_errors(tmp_path, capsys):
     (['--inception-weights', '/nonexistent.pth', '--fid'], 'no such file'),
     (['--sampler', 'euler'], 'invalid choice'),
     (['--sampler', 'ddpm', '--steps', '5'], '--steps 5: --sampler ddpm is the ancestral sampler of all T=1000 steps'),
+    (['--sampler', 'ddpm', '--spacing', 'trailing'], '--spacing trailing: ddpm takes no --spacing'),
+    (['--sampler', 'ddim', '--spacing', 'logsnr'], '--spacing logsnr: ddim takes spacing leading, trailing, linspace'),
+    (['--spacing', 'time'], 'invalid choice'),
 ])
 def test_bad_flags_fail_before_sampling(ckpt, tmp_path, capsys, extra, expected):
     code, err = refusal(capsys, sample.cli, ['--ckpt', ckpt, '--device', 'cpu', '--out', str(tmp_path / 'out'),
