@@ -375,8 +375,8 @@ def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
                               f'{learnt}); leave --{name} out')
     if cfg.bpd:
         raise ConfigError(f'--bpd: {named}, a few-step sampler; this needs a model of every timestep (its teacher)')
-    if cfg.export_diffusers and students.student_timesteps(steps)[:-1] != diffusion.ddim_timesteps(1000, steps,
-                                                                                                   'trailing'):
+    grid = students.student_timesteps(steps)  # diffusers' DDIM steps from t to t - T // N: it must land on the grid
+    if cfg.export_diffusers and any(t - 1000 // steps != after for t, after in zip(grid, grid[1:])):
         raise ConfigError(f'--export-diffusers: {named}; diffusers\' DDIMScheduler steps by 1000 // {steps} from t = '
                           f'999, which is not its grid (a student of 1, 2, 4 or 8 steps is)')
     # --guidance names the scale it learnt (recorded and reported); drawing.draw_batch draws it in one pass

@@ -265,3 +265,7 @@ def test_a_student_exports_to_ddim_pipeline_and_loads_back(tmp_path, monkeypatch
     torch.save({**torch.load(ckpt, weights_only=True), 'student': record16}, tmp_path / 'student-16.pt')
     assert sample.cli(['--ckpt', str(tmp_path / 'student-16.pt'), '--export-diffusers', str(tmp_path / 'e16'),
                        '--device', 'cpu']) == 2
+    record3 = {**record, 'steps': 3, 'timesteps': students.student_timesteps(3)}  # 666 -> 333 in diffusers, not 332
+    torch.save({**torch.load(ckpt, weights_only=True), 'student': record3}, tmp_path / 'student-3.pt')
+    assert sample.cli(['--ckpt', str(tmp_path / 'student-3.pt'), '--export-diffusers', str(tmp_path / 'e3'),
+                       '--device', 'cpu']) == 2
