@@ -46,6 +46,8 @@ SAME_WITHIN = 1.05  # a score within 5% of another is within its noise: the spec
 SOLVERS = tuple(f'{sampler}-{spacing}' for sampler in ('ddim', 'dpm++') for spacing in diffusion.SPACINGS[sampler]) \
     + tuple(PEER_SOLVERS)
 
+SCORE = evaluation.score_key('digits')  # the class FD (docs/sampling.md, "A score that decides")
+
 
 @dataclass
 class StudyConfig:
@@ -172,7 +174,7 @@ def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, so
             if config.num_classes:
                 row['accuracy'] = judge.conditioning(images, asked)['accuracy']
             rows.append(row)
-            print(f"{name} {solver} {n} calls, seed {seed}: digits FD {row['digits_fd']:.2f}"
+            print(f"{name} {solver} {n} calls, seed {seed}: digits score {row[SCORE]:.1f}"
                   + (f", {row['accuracy']:.1%} as asked" if 'accuracy' in row else ''), flush=True)
         write()
 
@@ -180,7 +182,7 @@ def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, so
 def paired_ratio(group: list, reference: dict) -> dict:
     """The geometric mean over seeds of FD / the reference's FD on the same seed (the same noise), with
     its 95% t-interval from the log ratios; None under two pairs."""
-    logs = [math.log(r['digits_fd'] / reference[r['seed']]) for r in group if r['seed'] in reference]
+    logs = [math.log(r[SCORE] / reference[r['seed']]) for r in group if r['seed'] in reference]
     if len(logs) < 2:
         return None
     spread = t_quantile(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
@@ -199,15 +201,15 @@ def summarise(rows: list) -> list:
     groups = {}
     for row in rows:
         groups.setdefault((row['model'], row['sampler'], row['calls']), []).append(row)
-    means = {key: statistics.mean(r['digits_fd'] for r in group) for key, group in groups.items()}
+    means = {key: statistics.mean(r[SCORE] for r in group) for key, group in groups.items()}
     best = {}
     for (name, solver, n), mean in means.items():
         if name == 'teacher' and solver != 'ddpm' and (n not in best or mean < means[best[n]]):
             best[n] = (name, solver, n)
-    by_seed = {n: {r['seed']: r['digits_fd'] for r in groups[key]} for n, key in best.items()}
+    by_seed = {n: {r['seed']: r[SCORE] for r in groups[key]} for n, key in best.items()}
     out = []
     for (name, solver, n), group in groups.items():
-        fds = [r['digits_fd'] for r in group]
+        fds = [r[SCORE] for r in group]
         sd = statistics.stdev(fds) if len(fds) > 1 else None
         half = t_quantile(len(fds) - 1) * sd / math.sqrt(len(fds)) if sd is not None else None
         vs_best = paired_ratio(group, by_seed[n]) if n in best and best[n] != (name, solver, n) else None
@@ -395,11 +397,11 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
     tables = []
     for name, summary in result['summary'].items():
         label = f"{name} (teacher and students at guidance {result['guidance']})" if name == 'guided' else name
-        tables.append(f'### {label}: the teacher\'s solvers, digits FD by calls (bold: best; ~: not decided '
+        tables.append(f'### {label}: the teacher\'s solvers, digits score by calls (bold: best; ~: not decided '
                       f'worse by more than 5% on the seeds\' paired interval; x: worse)\n\n'
                       + grid_table(summary))
         tables.append(f'### {label}: every model\n\n' + markdown_table(
-            ['model', 'solver', 'calls', 'network evaluations', 'digits FD, mean +- sd', '95% interval',
+            ['model', 'solver', 'calls', 'network evaluations', 'digits score, mean +- sd', '95% interval',
              'best solver at these calls', 'paired with it, same noise [95%]', 'paired with the best at 20 [95%]',
              'near copies'] + (['judged as asked'] if name == 'guided' else []),
             [[s['model'], s['sampler'], s['calls'], s['evaluations'],
@@ -412,7 +414,8 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
             ['model', 'calls', 'network evaluations', 'batch', 'compiled', 'img/s'],
             [[r['model'], r['calls'], r['evaluations'], r['batch'], 'yes' if r['compiled'] else 'no',
               f"{r['img_per_s']:.1f}"] for r in rows]))
-    floor = f'; the floor (450 held-out digits): FD {judge.floor["digits_fd"]:.2f}' if judge else ''
+    floor = (f'; the digits score is the class FD (lower is better); its floor (450 held-out digits): '
+             f'{judge.floor[SCORE]:.1f}' if judge else '')
     path = write_report(args.out_dir, stem, result, 'The teacher\'s solvers and its few-step students',
                         '\n\n'.join(tables) or '(no rows yet)',
                         notes=f'; {args.num} samples per score, seeds {args.seeds}{floor}')
@@ -438,8 +441,8 @@ def plot(summaries: dict, judge, path: str):
         if ddpm:
             ax.axhline(ddpm[0]['fd_mean'], color='grey', ls=':', label='teacher, DDPM 1000 calls')
         if judge:
-            ax.axhline(judge.floor['digits_fd'], color='green', ls='--', label='floor: held-out digits')
-        ax.set(xscale='log', yscale='log', xlabel='network evaluations per image', ylabel='digits FD (lower is better)',
+            ax.axhline(judge.floor[SCORE], color='green', ls='--', label='floor: held-out digits')
+        ax.set(xscale='log', yscale='log', xlabel='network evaluations per image', ylabel='digits score, class FD (lower is better)',
                title=name)
         ax.legend(fontsize=6, ncol=2)
     save_figure(fig, path)

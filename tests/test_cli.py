@@ -23,7 +23,7 @@ FLAGS = {
               '--compile', '--no-compile', '--compile-mode', '--amp', '--channels-last', '--no-channels-last',
               '--fused-adam', '--no-fused-adam', '--fused-norm', '--no-fused-norm', '--loader', '--num-workers', '--log-every', '--heldout-size',
               '--sample-every', '--sampler', '--sample-steps', '--num-samples', '--eval-every', '--eval-fid',
-              '--no-eval-fid', '--eval-samples', '--eval-noise', '--stop-at-score', '--eval-bpd-images',
+              '--no-eval-fid', '--eval-samples', '--eval-draws', '--eval-noise', '--stop-at-score', '--eval-bpd-images',
               '--eval-bpd-timesteps', '--inception-weights',
               '--ckpt-every', '--out-dir', '--samples-dir', '--resume', '--init-from', '--tensorboard',
               '--no-tensorboard', '--seed', '--device'],

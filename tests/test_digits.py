@@ -127,7 +127,7 @@ def test_a_non_finite_cached_classifier_is_retrained_the_same_and_dead_writers_c
 # The published figures of the digits score (results/digits-score-16.md, the README): a change to the
 # classifier's network or training moves them all, so they are pinned here. The tolerances are what
 # another torch build may move them by (one or two of the 450 held-out digits; a few per cent of FD).
-PUBLISHED = {'accuracy': 0.9822, 'floor_fd': 7.07}
+PUBLISHED = {'accuracy': 0.9822, 'floor_fd': 7.07, 'floor_class_fd': 39.87}
 # What version 1 of the classifier is: its network and its training, as code (comments and docstrings
 # left out). A change here must bump evaluation.DIGITS_CLASSIFIER_VERSION (the cache key), re-measure the
 # published figures, and pin the new fingerprint.
@@ -160,6 +160,7 @@ def test_the_classifier_version_names_its_network_and_training():
 def test_the_published_accuracy_and_floor_hold(judge):
     assert judge.accuracy == pytest.approx(PUBLISHED['accuracy'], abs=0.0045)
     assert judge.floor['digits_fd'] == pytest.approx(PUBLISHED['floor_fd'], rel=0.03)
+    assert judge.floor['digits_class_fd'] == pytest.approx(PUBLISHED['floor_class_fd'], rel=0.03)
 
 
 def test_the_floor_and_far_worse_scores_for_noise_and_broken_digits(judge):
@@ -180,6 +181,7 @@ def test_the_floor_and_far_worse_scores_for_noise_and_broken_digits(judge):
     for broken in (noise, shuffled):
         score = judge.score(judge.features(broken))
         assert score['digits_fd'] > 50 * floor['digits_fd']
+        assert score['digits_class_fd'] > 10 * floor['digits_class_fd']
         assert score['digits_kid'] > 20 * floor['digits_kid_std']
         assert score['digits_confident'] < 0.8
 
@@ -191,17 +193,21 @@ def test_a_collapse_to_few_digits_scores_worse_than_balanced_digits(judge):
     one = images[labels == 3][:len(collapsed)]
     few, many, single = (judge.score(judge.features(x)) for x in (collapsed, balanced, one))
     assert few['digits_fd'] > 20 * many['digits_fd'] and single['digits_fd'] > few['digits_fd']
+    # The class FD weighs each digit 1/10 whatever its share: the digits never drawn are judged by the
+    # whole set against them, which a set of other digits is far from.
+    assert few['digits_class_fd'] > 10 * many['digits_class_fd'] and single['digits_class_fd'] > few['digits_class_fd']
     assert few['digits_kid'] > many['digits_kid'] + 10 * many['digits_kid_std']
     assert abs(few['digits_class_entropy'] - 1.0) < 0.05 and single['digits_class_entropy'] < 0.1
     assert many['digits_class_entropy'] > 3.25
 
 
-def test_blur_of_growing_width_scores_strictly_worse(judge):
+@pytest.mark.parametrize('key', ['digits_fd', 'digits_class_fd'])
+def test_blur_of_growing_width_scores_strictly_worse(judge, key):
     held = digits(True)[0].float()
-    scores = [judge.score(judge.features(held.to(torch.uint8)))['digits_fd']]
+    scores = [judge.score(judge.features(held.to(torch.uint8)))[key]]
     for sigma in (0.5, 1.0, 1.5, 2.0, 3.0):
         blurred = gaussian_blur(held, kernel_size=9, sigma=sigma).round().clamp(0, 255).to(torch.uint8)
-        scores.append(judge.score(judge.features(blurred))['digits_fd'])
+        scores.append(judge.score(judge.features(blurred))[key])
     assert all(a < b for a, b in zip(scores, scores[1:])), scores
 
 
@@ -211,7 +217,8 @@ def test_the_score_ignores_the_order_of_samples_and_is_reproducible(judge, tmp_p
     first = judge.score(features)
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(1))
     reordered = judge.score(judge.features(images[order]))
-    for key in ('digits_fd', 'digits_kid', 'digits_kid_std', 'digits_confident', 'digits_class_entropy'):
+    for key in ('digits_fd', 'digits_class_fd', 'digits_kid', 'digits_kid_std', 'digits_confident',
+                'digits_class_entropy'):
         assert reordered[key] == pytest.approx(first[key], rel=1e-9, abs=1e-9), key
     assert judge.score(features) == first  # and again: nothing drawn at random without its seed
 
@@ -326,6 +333,10 @@ def test_eval_every_on_digits_logs_the_digits_score_never_as_fid(tmp_path, digit
     for row in evals:
         assert 'fid' not in row and row['digits_samples'] == 8 and 'digit' in row['digits_features']
         assert row['digits_fd'] > row['digits_fd_floor'] and row['bpd_images'] == 450
+        # The score: the class FD, the mean of 3 draws (the digits' default --eval-draws), each its own.
+        assert row['digits_draws'] == 3 and len(set(row['digits_class_fd_per_draw'])) == 3
+        assert row['digits_class_fd'] == pytest.approx(np.mean(row['digits_class_fd_per_draw']))
+        assert row['digits_class_fd'] > row['digits_class_fd_floor'] and 'digits_class_fd_confirm' not in row
         assert 0 <= row['digits_near_copies'] <= 1 and row['digits_nn_ratio'] > 0
         assert row['digits_near_copies_floor'] <= 0.04
     assert (tmp_path / 'run' / 'curves.png').stat().st_size > 0
@@ -355,25 +366,57 @@ def test_resume_of_an_rgb_run_as_digits_is_refused(tmp_path, capsys):
     assert err.count('\n') == 0 and ('in_channels' in err or '--dataset' in err), err
 
 
-def test_the_score_of_one_checkpoint_resampled(digits_ckpt, tmp_path, digits_cache):
+def frechet_by_hand(a: np.ndarray, b: np.ndarray) -> float:
+    """||mu_a - mu_b||^2 + tr(S_a) + tr(S_b) - 2 tr((S_a^1/2 S_b S_a^1/2)^1/2), by eigendecompositions (the
+    symmetric form of the trace term): no torch-fidelity, no scipy sqrtm."""
+    mu_a, mu_b, s_a, s_b = a.mean(0), b.mean(0), np.cov(a.T), np.cov(b.T)
+    w, v = np.linalg.eigh(s_a)
+    root = (v * np.sqrt(w.clip(0))) @ v.T
+    inner = np.linalg.eigvalsh(root @ s_b @ root).clip(0)
+    return float(((mu_a - mu_b) ** 2).sum() + np.trace(s_a) + np.trace(s_b) - 2 * np.sqrt(inner).sum())
+
+
+def test_the_class_fd_is_the_mean_of_the_ten_digits_frechet_distances_by_hand(judge):
+    # Held-out digits, 3s left out and one 8 kept: the classifier's labels split them, each digit's FD
+    # against the training digits of that digit; a digit drawn fewer than twice is judged by the whole set.
+    every = judge.features(digits(True)[0])
+    label = judge.classifier.head(torch.from_numpy(every).float()).argmax(1)
+    keep = (label != 3) & ((label != 8) | (torch.cumsum(label == 8, 0) == 1))
+    features, judged = every[keep.numpy()], label[keep].numpy()
+    assert (judged == 3).sum() == 0 and (judged == 8).sum() == 1  # the cases under test
+    train_images, train_labels = digits(False)
+    reference = judge.features(train_images)
+    by_hand = []
+    for c in range(10):
+        mine = features[judged == c]
+        by_hand.append(frechet_by_hand(mine if len(mine) > 1 else features, reference[train_labels.numpy() == c]))
+    assert judge.score(features)['digits_class_fd'] == pytest.approx(np.mean(by_hand), rel=1e-6)
+    assert judge.score(every)['digits_class_fd'] == pytest.approx(judge.floor['digits_class_fd'])
+
+
+def test_the_noise_table_cuts_one_pool_into_disjoint_draws(digits_ckpt, tmp_path, digits_cache):
     import statistics
 
     import digits_score
-    data_dir = digits_cache
-    assert digits_score.main(['--ckpt', digits_ckpt, '--resamples', '2', '--image-size', '8', '--data-dir', data_dir,
-                              '--out-dir', str(tmp_path)]) == 0
-    result = json.loads((tmp_path / 'digits-score-8-resampled.json').read_text())
-    scores = [r['digits_fd'] for r in result['rows']]
-    assert [r['seed'] for r in result['rows']] == [0, 1] and len(set(scores)) == 2  # other noise, other score
-    assert result['sd'] == pytest.approx(statistics.stdev(scores)) and all(r['digits_samples'] == 450
-                                                                            for r in result['rows'])
-    # Sampling seed 0 is the noise train.py's evaluation draws at batch 32: the same images, the same score.
-    judge = evaluation.DigitsJudge(8, data_dir)
+    assert digits_score.main(['--ckpt', digits_ckpt, '--pool', '4000', '--sample-steps', '2', '--image-size', '8',
+                              '--data-dir', digits_cache, '--out-dir', str(tmp_path)]) == 0
+    (done,) = json.loads((tmp_path / 'digits-score-8-noise-2.json').read_text())['checkpoints']
+    rows = {(r['samples'], r['averaged'], r['score']): r for r in done['rows']}
+    assert {(n, k) for n, k, _ in rows} == {(450, 1), (450, 3), (1000, 1), (2000, 1)}
+    assert [rows[n, 1, 'class FD (the score)']['sets'] for n in (450, 1000, 2000)] == [8, 4, 2]
+    # The same pool drawn and cut here: each set's score, their spread, and the means of sets 0-2 and 3-5.
+    judge = evaluation.DigitsJudge(8, digits_cache)
     model, config, sched, prediction = sample.load_model(digits_ckpt, 'ema', torch.device('cpu'))
     from drawing import Sampling, draw
-    images = torch.cat(list(draw(model, config, sched, Sampling(num=450, batch_size=32, sampler='dpm++', steps=20),
+    images = torch.cat(list(draw(model, config, sched, Sampling(num=4000, batch_size=500, sampler='dpm++', steps=2),
                                  torch.device('cpu'), progress=False)))
-    assert judge.score(judge.features(images))['digits_fd'] == scores[0]
+    features = judge.features(images)[np.random.RandomState(0).permutation(4000)]
+    sets = [judge.score(features[i * 450:(i + 1) * 450])['digits_class_fd'] for i in range(8)]
+    one, three = rows[450, 1, 'class FD (the score)'], rows[450, 3, 'class FD (the score)']
+    assert one['mean'] == pytest.approx(statistics.mean(sets)) and one['sd'] == pytest.approx(statistics.stdev(sets))
+    means = [statistics.mean(sets[:3]), statistics.mean(sets[3:6])]
+    assert three['sets'] == 2 and three['sd'] == pytest.approx(statistics.stdev(means))
+    assert three['relative_sd'] == pytest.approx(three['sd'] / three['mean'])
 
 
 def test_the_memorisation_rules_by_hand(judge):

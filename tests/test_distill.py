@@ -434,7 +434,7 @@ def test_sample_refuses_another_sampler_for_a_student(whole, tmp_path, capsys, f
 
 class StandInJudge:
     """The digits judge's interface without its classifier (trained in seconds, but not in this test)."""
-    floor = {'digits_fd': 7.0}
+    floor = {'digits_class_fd': 7.0}
 
     def __init__(self, image_size, cache_dir):
         pass
@@ -443,7 +443,7 @@ class StandInJudge:
         return images.float().mean((1, 2, 3)).numpy()
 
     def score(self, features):
-        return {'digits_fd': float(features.mean())}
+        return {'digits_class_fd': float(features.mean())}
 
     def conditioning(self, images, asked):
         return {'accuracy': 0.5}
@@ -485,7 +485,7 @@ def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp
 
 
 def teacher_rows(solver, calls, fds):
-    return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_fd': fd, 'evaluations': calls}
+    return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_class_fd': fd, 'evaluations': calls}
             for s, fd in enumerate(fds)]
 
 
@@ -497,7 +497,7 @@ def test_the_study_pairs_each_score_with_the_best_solver_on_the_same_noise():
     rows = teacher_rows('dpm++-trailing', 20, (10.0, 20.0, 40.0)) + teacher_rows('ddim-trailing', 20, (12, 24.5, 48))
     rows += teacher_rows('dpm++-trailing', 1, (100, 200, 400)) + teacher_rows('ddim-leading', 1, (300, 199, 385))
     rows += teacher_rows('dpm++-linspace', 20, (10.3, 20.6, 41.2))  # 3% worse on every seed: within the noise
-    rows += [{'model': 'student-1', 'sampler': 'student', 'calls': 1, 'seed': s, 'digits_fd': fd, 'evaluations': 1}
+    rows += [{'model': 'student-1', 'sampler': 'student', 'calls': 1, 'seed': s, 'digits_class_fd': fd, 'evaluations': 1}
              for s, fd in ((0, 11.0), (1, 24.0), (2, 40.0))]
     summary = {(s['model'], s['sampler'], s['calls']): s for s in few_step_study.summarise(rows)}
     student = summary['student-1', 'student', 1]

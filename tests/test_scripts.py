@@ -34,47 +34,54 @@ def test_solver_accuracy_against_exact_answers(tmp_path):
     assert (tmp_path / 'acc.png').read_bytes()[:4] == b'\x89PNG' and '| Data |' in (tmp_path / 'acc.md').read_text()
 
 
-def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache):
+@pytest.mark.parametrize('key', ['digits_fd', 'digits_class_fd'])
+def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache, key):
     assert digits_score.main(['--image-size', '8', '--data-dir', digits_cache, '--out-dir', str(tmp_path)]) == 0
     rows = {r['set']: r for r in json.loads((tmp_path / 'digits-score-8.json').read_text())['rows']}
-    floor = rows['held-out digits (the floor)']['digits_fd']
-    assert rows['uniform noise']['digits_fd'] > 20 * floor
-    blur = [rows[f'held-out digits, Gaussian blur sigma {s}']['digits_fd'] for s in (0.5, 1.0, 1.5, 2.0, 3.0)]
-    assert blur == sorted(blur)
-    half = [rows[f'held-out digits, a random half mirrored (draw {k} of 5)']['digits_fd'] for k in range(1, 6)]
-    assert min(half) > 2 * floor and rows['held-out digits, all mirrored']['digits_fd'] > max(half)
+    floor = rows['held-out digits (the floor)'][key]
+    assert rows['uniform noise'][key] > 5 * floor and rows['held-out digits, pixels shuffled'][key] > 5 * floor
+    blur = [rows[f'held-out digits, Gaussian blur sigma {s}'][key] for s in (0.5, 1.0, 1.5, 2.0, 3.0)]
+    assert blur == sorted(blur) and blur[0] > floor
+    half = [rows[f'held-out digits, a random half mirrored (draw {k} of 5)'][key] for k in range(1, 6)]
+    assert min(half) > 1.5 * floor and rows['held-out digits, all mirrored'][key] > max(half)
+    collapsed = [name for name in rows if name.startswith('only 1s and 7s')]
+    balanced = [name for name in rows if name.startswith('training digits, balanced')]
+    assert rows[collapsed[0]][key] > 5 * rows[balanced[0]][key]
 
 
-def test_a_stop_of_the_resampled_score_keeps_the_seeds_scored(tmp_path, monkeypatch, capsys):
-    # SIGTERM while seed 1 is drawn: it is scored, the report holds seeds 0 and 1 (written after each seed),
-    # seed 2 is never drawn, exit 0. Stand-ins for the checkpoint, the sampler and the judge: the loop is
-    # under test, not the score.
+def test_a_stop_of_the_noise_table_keeps_the_checkpoints_measured(tmp_path, monkeypatch, capsys):
+    # SIGTERM while the second checkpoint's pool is drawn: it is measured, the report holds the first two
+    # (written after each), the third is never drawn, exit 0. Stand-ins for the checkpoints, the sampler and
+    # the judge: the loop is under test, not the score.
     import os
     import signal
     import types
 
     import torch
-    monkeypatch.setattr(digits_score.sample, 'load_model', lambda *args: (
+    monkeypatch.setattr(digits_score.sample, 'load_model', lambda *args, **kwargs: (
         None, types.SimpleNamespace(in_channels=1, image_size=16), None, 'eps'))
+    floor = {'digits_fd': 7.0, 'digits_class_fd': 40.0}
     monkeypatch.setattr(digits_score.evaluation, 'DigitsJudge', lambda *args: types.SimpleNamespace(
-        features=lambda images: images, score=lambda features: {
-            'digits_fd': 10.0 + float(features.float().mean()), 'digits_kid': 1.0, 'digits_confident': 0.9}))
+        floor=floor, features=lambda images: images.flatten(1).double().numpy(), score=lambda features, kid=True: {
+            'digits_fd': 10.0 + float(features.mean()), 'digits_class_fd': 50.0 + float(features.mean()),
+            'digits_confident': 0.9}))
     drawn = []
 
     def draw(model, config, sched, sampling, device, **kwargs):
-        drawn.append(sampling.seed)
-        if sampling.seed == 1:
+        drawn.append(sampling.num)
+        if len(drawn) == 2:
             if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                pytest.fail('no stop handling: a SIGTERM would kill the script and lose the seeds scored')
+                pytest.fail('no stop handling: a SIGTERM would kill the script and lose the checkpoints measured')
             os.kill(os.getpid(), signal.SIGTERM)
-        yield torch.full((450, 1, 16, 16), sampling.seed, dtype=torch.uint8)
+        yield torch.randint(0, 256, (sampling.num, 1, 16, 16), dtype=torch.uint8,
+                            generator=torch.Generator().manual_seed(len(drawn)))
     monkeypatch.setattr(digits_score, 'draw', draw)
-    assert digits_score.main(['--ckpt', 'stand-in.pt', '--resamples', '5', '--out-dir', str(tmp_path),
+    assert digits_score.main(['--ckpt', 'a.pt,b.pt,c.pt', '--pool', '4000', '--out-dir', str(tmp_path),
                               '--data-dir', str(tmp_path / 'data')]) == 0
-    result = json.loads((tmp_path / 'digits-score-16-resampled.json').read_text())
-    assert drawn == [0, 1] and [r['seed'] for r in result['rows']] == [0, 1]
-    assert not result['complete'] and result['stopped'] == 'SIGTERM' and result['seeds_planned'] == 5
-    assert 'stopped by SIGTERM after 2 of 5 seeds' in capsys.readouterr().out
+    result = json.loads((tmp_path / 'digits-score-16-noise-10.json').read_text())
+    assert drawn == [4000, 4000] and [d['ckpt'] for d in result['checkpoints']] == ['a.pt', 'b.pt']
+    assert not result['complete'] and result['stopped'] == 'SIGTERM' and result['planned'] == 3
+    assert 'stopped by SIGTERM after 2 of 3 checkpoints' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize('script, args, expected', [
@@ -88,8 +95,9 @@ def test_a_stop_of_the_resampled_score_keeps_the_seeds_scored(tmp_path, monkeypa
     (ladder, ['--out-dir', 'a-file/out'], '--out-dir a-file/out: cannot write there'),
     (ladder, ['--runs-dir', 'a-file/runs'], '--runs-dir a-file/runs: cannot write there'),
     (digits_score, ['--bogus'], 'unrecognized arguments'),
-    (digits_score, ['--resamples', '3'], '--resamples 3 resamples a checkpoint: pass --ckpt'),  # not ignored
-    (digits_score, ['--ckpt', 'x.pt', '--resamples', '99999999999'], '--resamples must be in [2, 1000]'),
+    (digits_score, ['--pool', '5000'], '--pool 5000 measures checkpoints: pass --ckpt'),  # not ignored
+    (digits_score, ['--ckpt', 'x.pt', '--pool', '1000'], '--pool must be in [4000, 1000000]'),
+    (digits_score, ['--ckpt', 'x.pt', '--stem', '../x'], 'a plain file name'),
     (solver_accuracy, ['--sample-batch', '0'], '--sample-batch must be at least 1'),
     (solver_accuracy, ['--stem', 'a/b'], 'a plain file name'),
     (ladder, ['--eval-samples', '1'], '--eval-samples must be at least 2'),
@@ -139,9 +147,10 @@ def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(
             launched.append(command)
             seed, out = int(command[command.index('--seed') + 1]), command[command.index('--out-dir') + 1]
             os.makedirs(out)
-            rows = [{'kind': 'eval', 'images_seen': 12_500, 'train_hours': 0.01, 'digits_fd': 40.0},
-                    {'kind': 'eval', 'images_seen': 25_000 * (seed + 1), 'train_hours': 0.02 * (seed + 1),
-                     'digits_fd': 12.0 - seed}, {'kind': 'done', 'wall_s': 90.0 * (seed + 1)}]
+            target = time_demo.TARGET  # the first above it, the second under it and held when drawn again
+            rows = [eval_row(12_500, 0.01, 2 * target),
+                    {**eval_row(25_000 * (seed + 1), 0.02 * (seed + 1), target - seed),
+                     'digits_class_fd_confirm': target - 1}, {'kind': 'done', 'wall_s': 90.0 * (seed + 1)}]
             with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
                 f.writelines(json.dumps(r) + '\n' for r in rows)
 
@@ -160,6 +169,8 @@ def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(
     assert result['seeds'][0]['img_per_s'] == pytest.approx(25_000 / 72)
     assert result['summary']['reached'] == 2 and result['summary']['within_goals'] == 1  # seed 1: 2.4 training min
     assert result['summary']['images']['sd'] == pytest.approx(17_677.67, abs=0.01)
+    assert [s['eval_share'] for s in result['seeds']] == pytest.approx([2 / 72, 2 / 144])  # 1 s an evaluation
+    assert [s['score_again'] for s in result['seeds']] == [time_demo.TARGET - 1] * 2
     code, err = refusal(capsys, time_demo.main, args)  # the folders are there now: refused before any run
     assert code == 2 and 'seed0 is there already' in err and len(launched) == 2
     (tmp_path / 'a-file').write_text('not a folder')
@@ -167,6 +178,12 @@ def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(
                                                                    'cannot write there')):
         code, err = refusal(capsys, time_demo.main, ['--runs-dir', str(tmp_path / 'runs2'), *bad])
         assert code == 2 and message in err and len(launched) == 2  # before the first seed's ten minutes
+
+
+def eval_row(images: int, hours: float, score: float) -> dict:
+    """An evaluation row of a digits run, as train.py writes it (the fields time_demo reads)."""
+    return {'kind': 'eval', 'images_seen': images, 'train_hours': hours, 'digits_class_fd': score,
+            'digits_confident': 0.9, 'eval_seconds': 1.0}
 
 
 def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, monkeypatch, capsys):
@@ -182,8 +199,8 @@ def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, m
             out = command[command.index('--out-dir') + 1]
             os.makedirs(out)
             with open(os.path.join(out, 'metrics.jsonl'), 'w') as f:
-                f.write(json.dumps({'kind': 'eval', 'images_seen': 100_000, 'train_hours': 0.05, 'digits_fd': 11.0})
-                        + '\n' + json.dumps({'kind': 'done', 'wall_s': 200.0}) + '\n')
+                f.write(json.dumps(eval_row(100_000, 0.05, 11.0)) + '\n' + json.dumps({'kind': 'done', 'wall_s': 200.0})
+                        + '\n')
 
         def wait(self):
             self.waits += 1
@@ -204,7 +221,7 @@ def test_a_stop_of_time_demo_stops_its_run_and_keeps_the_seeds_timed(tmp_path, m
 
 @pytest.mark.parametrize('exit_code, rows, code, message', [
     (3, [], 3, 'exited with 3'),  # a NaN loss: train.py's own code, not a usage error's 2
-    (0, [{'kind': 'eval', 'images_seen': 12_500, 'train_hours': 0.01, 'digits_fd': 40.0}], 1, 'did not finish'),
+    (0, [{'kind': 'eval', 'images_seen': 12_500, 'train_hours': 0.01, 'digits_class_fd': 40.0}], 1, 'did not finish'),
 ])  # the second: a run stopped from outside (exit 0, no 'done' row) is not timed as a finished seed
 def test_time_demo_does_not_time_a_failed_or_unfinished_run(exit_code, rows, code, message, tmp_path, monkeypatch,
                                                              capsys):

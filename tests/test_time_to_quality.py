@@ -5,6 +5,7 @@ target, other flags or code; --retrain), stops at any moment, workers that die w
 input refused before any run."""
 import dataclasses
 import json
+import evaluation
 import loaders
 import math
 import os
@@ -71,19 +72,19 @@ def test_a_small_ladder_end_to_end_then_reused(tmp_path, monkeypatch):
             [32, 64] if run['run']['stop_at'] is None else planned) for run in runs), name
         assert all(p['minutes'] > 0 and p['score'] > result['floor'] for run in runs for p in run['curve'])
     assert [len(result['runs'][name]) for name in result['arms']] == [2] * (len(result['arms']) - 1) + [3]  # its screen
-    assert result['targets'] == {'target': 12.3, 'easy_target': max(
+    assert result['targets'] == {'target': evaluation.DIGITS_TARGET, 'easy_target': max(
         run['curve'][0]['score'] for run in result['runs']['baseline'])}  # the worst seed's score at 32 images
     below = '+ channels-last' if levers['+ channels-last']['kept'] else 'baseline'  # img/s of 3 one-step rounds: noise
     assert [levers[n]['builds_on'] for n in levers] == ['baseline', below]
     assert levers['+ channels-last']['judged_by'] == 'speed' and levers['+ v-prediction']['n'] == 2
     assert levers['+ channels-last']['n'] == 3 and levers['+ channels-last']['timed']['rounds'] == 3
     assert levers['+ channels-last']['timed']['hash'] == ttq.timing_code()['hash']
-    assert not levers['+ v-prediction']['kept']  # no seed reached 12.3 sooner: none reached it
+    assert not levers['+ v-prediction']['kept']  # no seed reached the target sooner: none reached it
     headline = result['headline']
-    # No run reaches 12.3, so no ratio to it; one to the easier target (the baseline's worst seed's score)
+    # No run reaches the target, so no ratio to it; one to the easier target (the baseline's worst seed's score)
     # exists when a kept-by-noise channels-last's two seeds happen to score under it.
     assert result['best_peer'] == 'diffusers recipe' and all(
-        value is None for label, value in headline.items() if 'to 12.30' in label)
+        value is None for label, value in headline.items() if f'to {evaluation.DIGITS_TARGET:.2f}' in label)
     assert any('against the best diffusers variant (diffusers recipe)' in label for label in headline)
     curves = sorted(n for n in os.listdir(tmp_path / 'out' / 'ladder-runs') if not n.startswith('channels-last-64'))
     assert curves == ['baseline-64-seed0.json', 'baseline-64-seed1.json', 'channels-last-speed.json',
@@ -610,7 +611,7 @@ def test_one_rule_reuses_refuses_or_replaces_a_finished_curve(tmp_path, capsys, 
     path = runs / 'baseline-64-seed1.json'
     saved = json.loads(path.read_text())
     first = max(json.loads((runs / f'baseline-64-seed{s}.json').read_text())['curve'][0]['score'] for s in (0, 1))
-    refused = {'another target': (['--target', f'{first + 1:.1f}'], 'made to stop at --target 12.3'),
+    refused = {'another target': (['--target', f'{first + 1:.1f}'], f'made to stop at --target {evaluation.DIGITS_TARGET}'),
                'other flags': ([], 'made with other settings'), 'other code': ([], 'made by other code'),
                'edited': ([], 'edited since its run wrote it')}
     if case == 'other flags':  # as code that writes the arm's flags otherwise would have made it
@@ -645,7 +646,7 @@ def test_one_rule_reuses_refuses_or_replaces_a_finished_curve(tmp_path, capsys, 
         assert ttq.code_identity()['hash'] in (tmp_path / 'out' / 'ladder.md').read_text()  # the report shows it
         return
     monkeypatch.setattr(train, 'cli', lambda argv: pytest.fail('a finished run was trained again'))
-    extra = ['--target', '12.0'] if case == 'a target that stops it alike' else []  # neither is reached
+    extra = ['--target', str(evaluation.DIGITS_TARGET - 1)] if case == 'a target that stops it alike' else []  # neither is reached
     assert ttq.main(args + extra) == 0
     assert {k: v for k, v in snapshot(tmp_path).items() if 'ladder-runs' in k} == {
         k: v for k, v in before.items() if 'ladder-runs' in k}

@@ -801,7 +801,7 @@ def test_a_recipe_stands_for_its_flags_and_a_flag_beside_it_wins():
         assert train_config.with_recipe(argv) == demo + argv
     assert train_config.with_recipe(['--seed', '3']) == ['--seed', '3']
     cfg = train.check_flags(['--recipe', 'digits-demo', '--steps', '20000', '--seed', '3'])
-    assert (cfg.steps, cfg.seed, cfg.dataset, cfg.stop_at_score) == (20000, 3, 'digits', 12.3)
+    assert (cfg.steps, cfg.seed, cfg.dataset, cfg.stop_at_score) == (20000, 3, 'digits', evaluation.DIGITS_TARGET)
     epochs = train_config.with_recipe(['--recipe', 'digits-demo', '--epochs', '300'])
     assert '--steps' not in epochs and train.check_flags(epochs).steps is None  # --epochs given: not the recipe's steps
 
@@ -845,6 +845,45 @@ def test_stop_at_score_ends_the_run_at_the_first_evaluation_that_reaches_it(tmp_
     capsys.readouterr()
     assert run(tmp_path, '--steps', '2', '--stop-at-score', '10', '--out-dir', str(tmp_path / 'none')) == 2
     assert 'needs evaluations with a score' in _stderr_line(capsys) and not (tmp_path / 'none').exists()
+
+
+def test_one_lucky_draw_under_the_target_does_not_stop_the_run(tmp_path, monkeypatch, shapes_fid_dir):
+    # The second evaluation's score (9) is under the target (10), but drawn again with other seeds it is 30:
+    # the model does not hold the target, and the run goes on. At the third both draws are under: it stops.
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    scores = iter([50.0, 9.0, 30.0, 8.0, 7.0])
+    monkeypatch.setattr(evaluation, 'frechet_distance', lambda *args: next(scores))
+    assert run(tmp_path, '--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path), '--steps', '12',
+               '--stop-at-score', '10') == 0
+    assert [(r['step'], r['fid'], r.get('fid_confirm')) for r in eval_rows(tmp_path)] == [
+        (3, 50.0, None), (5, 9.0, 30.0), (8, 8.0, 7.0)]
+    assert metrics(tmp_path)[-1]['step'] == 8 and load_ckpt(tmp_path)['step'] == 8
+    row = {'fid': 9.0}
+    cfg = train.check_flags(['--stop-at-score', '10', '--eval-every', '20'])
+    assert not evaluation.score_reached(cfg, row)  # a score never drawn again stops nothing
+    assert evaluation.score_reached(cfg, {**row, 'fid_confirm': 10.0})
+    assert not evaluation.score_reached(cfg, {**row, 'fid_confirm': 10.5})
+
+
+def test_an_evaluation_averages_its_draws_each_drawn_with_its_own_noise(tmp_path, monkeypatch, shapes_fid_dir):
+    monkeypatch.setattr(evaluation, 'inception_extractor', lambda weights, device: stand_in_extractor)
+    scores = iter([50.0, 30.0, 10.0, 20.0])
+    monkeypatch.setattr(evaluation, 'frechet_distance', lambda *args: next(scores))
+    seeds, drawing = [], evaluation.draw
+
+    def recorded(model, config, sched, sampling, *args, **kwargs):
+        seeds.append(sampling.seed)
+        return drawing(model, config, sched, sampling, *args, **kwargs)
+    monkeypatch.setattr(evaluation, 'draw', recorded)
+    assert run(tmp_path, '--eval-every', '20', *EVAL, '--data-dir', shapes_fid_dir(tmp_path), '--steps', '6',
+               '--eval-draws', '2', '--eval-noise', 'fresh') == 0
+    assert [(r['fid'], r['fid_per_draw'], r['fid_samples']) for r in eval_rows(tmp_path)] == [
+        (40.0, [50.0, 30.0], 8), (15.0, [10.0, 20.0], 8)]
+    assert len(set(seeds)) == 4  # every draw its own noise
+    # A first draw's noise is what it was before draws were averaged: runs recorded then draw it again.
+    assert seeds[0] == int(np.random.SeedSequence([0, 1, 2]).generate_state(1)[0])
+    assert evaluation.sampling_seed(5, 40, 20, 'fixed') == 5 != evaluation.sampling_seed(5, 40, 20, 'fixed', 1)
+    assert evaluation.sampling_seed(5, 40, 20, 'fixed', 1) == evaluation.sampling_seed(5, 80, 20, 'fixed', 1)
 
 
 def test_evaluations_at_image_counts_and_across_a_resume(tmp_path, monkeypatch, shapes_fid_dir):

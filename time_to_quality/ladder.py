@@ -67,8 +67,8 @@ class LadderConfig:
                                  'images', at_least=1)
     eval_every: int = flag(12_500, 'training images between evaluations', at_least=1)
     eval_samples: int = flag(450, 'samples per score (digits: 450, the size of the floor\'s held-out set)', at_least=2)
-    target: float | None = flag(None, 'the target score (default for the digits score, whose floor is about 7: 12.3, '
-                                      'what the paper\'s objective reaches in about 242k images; FID: needed)',
+    target: float | None = flag(None, 'the target score (default for the digits score, whose floor is about 40: '
+                                      f'{evaluation.DIGITS_TARGET:g}, the demo\'s; FID: needed)',
                                 positive=True)
     sampler: str = flag('dpm++', 'sampler of the evaluations', choices=('ddim', 'dpm++', 'ddpm'))
     sample_steps: int = flag(20, 'its model calls', at_least=1)
@@ -158,7 +158,7 @@ def timing_code() -> dict:  # a speed timing's code: the runs' (code_identity) a
 @functools.lru_cache(maxsize=4)
 def floor_of(dataset: str, image_size: int, data_dir: str):
     """The lowest score a run can have: the digits score of real held-out digits; 0 for FID."""
-    return evaluation.DigitsJudge(image_size, data_dir).floor['digits_fd'] if dataset == 'digits' else 0.0
+    return evaluation.DigitsJudge(image_size, data_dir).floor['digits_class_fd'] if dataset == 'digits' else 0.0
 
 
 def retrain_names(cfg: LadderConfig) -> set:
@@ -624,7 +624,7 @@ def validate(cfg: LadderConfig) -> tuple:
     folders = ((cfg.runs_dir, '--runs-dir'), (cfg.data_dir, '--data-dir'), (cfg.out_dir, '--out-dir'))
     for folder, name in folders:
         check_creatable(folder, name)
-    floor, target = None, 12.3 if cfg.target is None and cfg.dataset == 'digits' else cfg.target
+    floor, target = None, evaluation.DIGITS_TARGET if cfg.target is None and cfg.dataset == 'digits' else cfg.target
     if target is None:
         raise ConfigError('--target: needed for FID (no default outside digits)')
     check_run_lengths(cfg, target)

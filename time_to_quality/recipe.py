@@ -82,7 +82,7 @@ def judge(cfg, device):
     """images (uint8) -> the score our runs log: the digits score, or FID against the training split."""
     if cfg.dataset == 'digits':
         digits = evaluation.DigitsJudge(cfg.image_size, cfg.data_dir)
-        return lambda images: digits.score(digits.features(images))['digits_fd']
+        return lambda images: digits.score(digits.features(images))[evaluation.score_key('digits')]
     extractor = evaluation.inception_extractor('', device)
     reference = evaluation.reference_statistics(cfg.dataset, cfg.data_dir, cfg.image_size, extractor, 256)
     return lambda images: evaluation.frechet_distance(evaluation.statistics(evaluation.features_of(

@@ -7,6 +7,7 @@ lever pending. It takes the ladder's flags (a lever of a capability this machine
 """
 import sys
 
+import evaluation
 from cli import ConfigError, StopFlag, check_ranges, parse_config, run_main
 
 from . import ladder
@@ -18,7 +19,7 @@ def recompute(cfg: ladder.LadderConfig) -> dict:
     """The report (OUT_DIR/STEM.{json,md,png}) of the ladder's finished runs, read back by its dry pass."""
     check_ranges(cfg)
     ladder.check_names(cfg)
-    target = 12.3 if cfg.target is None and cfg.dataset == 'digits' else cfg.target
+    target = evaluation.DIGITS_TARGET if cfg.target is None and cfg.dataset == 'digits' else cfg.target
     if target is None:
         raise ConfigError('--target: needed for FID (no default outside digits)')
     identity = ladder_identity(cfg)
