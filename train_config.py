@@ -146,8 +146,9 @@ class TrainConfig:
                                     'evaluation) or fresh (a new draw per evaluation, so that no draw\'s luck stays '
                                     'with a run; docs/benchmark.md measures why)', choices=('fixed', 'fresh'))
     stop_at_score: float | None = flag(None, 'end the run (checkpoint, exit 0) at the first evaluation whose score '
-                                             '(FID; digits: the digits FD) is at or below this: training to a '
-                                             'target, as scripts/time_to_quality.py does', positive=True)
+                                             '(FID; digits: the class FD, docs/sampling.md) is at or below this and '
+                                             'stays there when drawn again with other seeds: training to a target, '
+                                             'as the time-to-quality ladder does', positive=True)
     eval_bpd_images: int = flag(1000, 'held-out images of the bits/dim estimate', at_least=1)
     eval_bpd_timesteps: int = flag(32, 'timesteps of the Monte Carlo bits/dim estimate: 1 + this many model calls '
                                        'per held-out image', at_least=1, at_most=NUM_TIMESTEPS - 1)
