@@ -4,7 +4,8 @@ guard, and the evaluation that train.py runs during training with its curves.
 - FID: torch-fidelity's InceptionV3 features and Frechet distance, against a data set's
   statistics (cached in an .npz).
 - The digits score: the same statistics (and KID) in the features of a small digit classifier
-  trained on the digits' training split: no download, a floor from held-out real digits.
+  trained on the digits' training split: no download, a floor from held-out real digits. The score
+  that decides is the class FD (each digit against its own training digits), averaged over draws.
 - Bits/dim: the variational bound (diffusion.vlb_bits_per_dim) over a data set, exact or as an
   unbiased Monte Carlo estimate.
 - During training: the held-out loss on fixed images, timesteps and noise; `weights_problem`,
