@@ -1,7 +1,8 @@
 """Time to quality: training minutes until samples reach a score, for the paper's recipe as train.py
 runs it, for each lever added on top of it, and for diffusers' training recipe on the same images, in
 one ladder. Every run is scored every --eval-every images and ends when its score reaches --target
-(12.3 for digits); the clock counts training alone (the first, compiling step included).
+and holds there on a second draw (for digits the class FD, evaluation.DIGITS_TARGET); the clock counts
+training alone (the first, compiling step included).
 
 The ladder, in the order it runs (each step a part that `--train` can run alone, once those above it
 are finished):
