@@ -322,7 +322,7 @@ class DigitsJudge:
         shuffled = asked[torch.randperm(len(asked), generator=torch.Generator().manual_seed(0))]
         per_class = {}
         for c in sorted(set(asked.tolist())):
-            reference = statistics(self.reference[(self.reference_labels == c).numpy()])
+            reference = self.class_stats[c]
             real = (self.heldout_labels == c).numpy()
             mine = (asked == c).numpy()
             per_class[c] = {'accuracy': (judged[mine] == c).double().mean().item(), 'samples': int(mine.sum()),
