@@ -554,8 +554,8 @@ def run_loader_only(bench: BenchConfig) -> dict:
             results.append({'name': name, 'skipped': data.ffcv_missing_reason()})
             continue
         workers = bench.num_workers if kind == 'ffcv' else workers
-        loader = loaders.make_loader(kind, beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset, batch,
-                                  bench.seed, device, workers, progress=False)
+        source = beton_for(bench, dataset_name, dataset) if kind == 'ffcv' else dataset
+        loader = loaders.make_loader(kind, source, batch, bench.seed, device, workers, progress=False)
         results.append({'name': f'FFCV ({loader.num_workers} threads)' if kind == 'ffcv' else name, 'loader': kind,
                         'num_workers': workers, 'img_per_s': time_loader(loader, num_batches, device)})
         del loader

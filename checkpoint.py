@@ -3,6 +3,7 @@ and read with every check (a damaged file, another network, NaN weights), and th
 which settings a resumed run replays, which must match, which may change with a warning."""
 import hashlib
 import json
+import math
 import os
 import sys
 import zipfile
@@ -11,9 +12,11 @@ from dataclasses import asdict, fields, replace
 import torch
 
 import evaluation
+from bookkeeping import (Run, any_rank, gather_to_rank0, last_good_note, load_states, rng_states, set_rng_states,
+                         weights_finite)
 from cli import ConfigError, NonFiniteLoss, brief
+from devices import own_rng
 from diffusers_io import STUDENT_FILE, diffusers_scheduler, read_diffusers
-from distributed import any_rank, gather_to_rank0
 from files import atomic_open, disk_full_error
 from model import MODEL_VERSION, UNet, UNetConfig
 
@@ -170,7 +173,7 @@ def read_checkpoint(path: str, named_as: str, student_ok: bool = False) -> dict:
     return ckpt
 
 
-def student_record(path: str) -> dict | None:
+def read_student_record(path: str) -> dict | None:
     """The 'student' record of a distill.py checkpoint (its steps, grid and prediction) or of its
     diffusers export (STUDENT_FILE), or None for anything else: a train.py checkpoint, another diffusers
     folder, a file that read_checkpoint refuses."""
@@ -304,15 +307,13 @@ def _plain(value):
 
 # ----------------------------------------------------------------------------- a run's state
 
-def checkpoint_state(run, step: int, eval_owed: bool = False, train_seconds: float = 0.0,
+def checkpoint_state(run: Run, step: int, eval_owed: bool = False, train_seconds: float = 0.0,
                      wall_seconds: float = 0.0) -> dict:
-    """The checkpoint (its format: checkpoint.py). Every rank must call it: rank 0
-    gathers the RNG states of all ranks. eval_owed: an evaluation due at this step did not run (a
-    stop came first); train_seconds, wall_seconds: the training and the loop's wall time so far,
-    counted on by a resumed run."""
-    rng = {'cpu': torch.get_rng_state(),
-           'cuda': torch.cuda.get_rng_state(run.device) if run.device.type == 'cuda' else None}
-    (rng_all,) = gather_to_rank0((rng,), run.rank, run.world_size, run.control_group)  # rank 0 saves
+    """The checkpoint, in the format above. Every rank must call it: rank 0 gathers the RNG states of
+    all ranks. eval_owed: an evaluation due at this step did not run (a stop came first);
+    train_seconds, wall_seconds: the training and the loop's wall time so far, counted on by a
+    resumed run."""
+    (rng_all,) = gather_to_rank0((rng_states(run.device),), run.rank, run.world_size, run.control_group)
     epoch, batch = divmod(step, run.loader.batches_per_epoch)
     return {'model': run.model.state_dict(), 'ema': run.ema.state_dict() if run.ema is not None else None,
             'optimizer': run.optimizer.state_dict(), 'scaler': run.scaler.state_dict(), 'step': step,
@@ -322,34 +323,45 @@ def checkpoint_state(run, step: int, eval_owed: bool = False, train_seconds: flo
             'wall_seconds': wall_seconds, 'flags': run.flags}
 
 
-def restore(run, ckpt: dict) -> int:
+def restore(run: Run, ckpt: dict) -> int:
     """Loads a checkpoint into the run; returns the step to continue from."""
-    try:
-        run.model.load_state_dict(ckpt['model'])
-        if run.ema is not None:
-            run.ema.load_state_dict(ckpt['ema'])
-        run.optimizer.load_state_dict(ckpt['optimizer'])
-        for group in run.optimizer.param_groups:  # the run's --adam-beta2, not the one the state saved
-            group['betas'] = (0.9, run.cfg.adam_beta2)
-        run.scaler.load_state_dict(ckpt['scaler'])
-    except (KeyError, ValueError, RuntimeError, TypeError) as error:
-        raise ConfigError(f'--resume {run.cfg.resume}: its states do not fit this run ({brief(error)})') from None
-    rng = ckpt['rng'][run.rank]
-    torch.set_rng_state(rng['cpu'])
-    if run.device.type == 'cuda' and rng.get('cuda') is not None:
-        torch.cuda.set_rng_state(rng['cuda'], run.device)
+    load_states(f'--resume {run.cfg.resume}', [(run.model, ckpt.get('model')), (run.ema, ckpt.get('ema')),
+                                              (run.optimizer, ckpt.get('optimizer')),
+                                              (run.scaler, ckpt.get('scaler'))])
+    for group in run.optimizer.param_groups:  # the run's --adam-beta2, not the one the state saved
+        group['betas'] = (0.9, run.cfg.adam_beta2)
+    set_rng_states(ckpt['rng'][run.rank], run.device)
     return ckpt['step']
 
 
-def save_if_good(run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
+def weights_problem(run: Run, heldout, row: dict) -> str | None:
+    """Why train.py must not save the weights of `run` (None: it may): a non-finite weight of the model or
+    the EMA, or a non-finite held-out loss of either (from this step's log row, or after a stop, which skips
+    it, from one batch of the held-out set)."""
+    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
+        if module is not None and not weights_finite(module):
+            return f'non-finite {name}'
+    if heldout is None:
+        return None
+    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
+        loss = row.get(key)
+        if loss is None:
+            with own_rng(run.device):
+                few = tuple(x[:run.cfg.batch_size] for x in heldout)
+                loss = evaluation.heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
+        if not math.isfinite(loss):
+            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
+    return None
+
+
+def save_if_good(run: Run, step: int, log, eval_owed: bool, path: str, heldout, row: dict, last_good):
     """The checkpoint of this step, once proven good; a broken model stops the run instead, and
     the last good checkpoint stays (every rank agrees)."""
     with log.paused():
-        problem = evaluation.weights_problem(run, heldout, row)
+        problem = weights_problem(run, heldout, row)
         if any_rank(problem is not None, run.control_group):
             raise NonFiniteLoss(f"at step {step}: {problem or 'a problem on another rank'}; stopping without a "
-                                f"checkpoint. " + (f'The last good checkpoint is {last_good}.' if last_good
-                                                   else 'No checkpoint was written by this run.'))
+                                f"checkpoint. " + last_good_note(last_good))
         state = checkpoint_state(run, step, eval_owed, log.training_seconds(), log.wall_seconds())
         if run.rank == 0:
             save_checkpoint(state, path)

@@ -531,6 +531,8 @@ def dpm_solver_sample(model, sched: Schedule, shape, steps: int = 20, spacing: s
     return x.clamp(-1, 1)
 
 
+# The samplers of a trained model. A distilled student draws with its own ('student' in sample.py and
+# drawing.draw: students.student_sample on the grid it learnt), never with these.
 SAMPLERS = ('ddpm', 'ddim', 'dpm++')
 
 

@@ -12,6 +12,9 @@ OUT/student-N.pt, which sample.py draws with its own N steps on the grid it was 
 (students.student_timesteps, from t = T-1 to the clean endpoint). A class-conditional teacher is
 distilled at --guidance s: the teacher runs both halves of classifier-free guidance, the student
 learns the guided output with the label as its input, one pass per step.
+The file reads in the order a run happens: its flags and their checks, building the run, the loss,
+the step, the checkpoints, the loop, main; what it shares with train.py (the data and its loader, the
+EMA, the states a resume puts back, the non-finite checks) lives in bookkeeping.py.
 Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with OUT/distill.pt saved), 1 a write failed,
 2 bad input, 3 non-finite loss (the last good checkpoint is kept), 130 a second Ctrl-C.
 """
@@ -30,8 +33,9 @@ from tqdm import tqdm
 
 import data
 import diffusion
-import loaders
 import students
+from bookkeeping import (data_identity, ema_update, finite_mean_loss, last_good_note, load_states, rng_states,
+                         set_rng_states, training_data, weights_finite)
 from checkpoint import (check_same_data, model_from_checkpoint, read_checkpoint, require_finite, save_checkpoint,
                         weights_fingerprint)
 from cli import (ConfigError, NonFiniteLoss, StopFlag, StopRequested, changed_fields, check_ranges, flag, given_fields,
@@ -87,222 +91,9 @@ def stage_steps(cfg: DistillConfig) -> list:
     return counts
 
 
-@dataclass
-class Distillation:
-    """What one run holds. `teacher` and `student` are UNets; `ema` the student's EMA or None
-    (--ema-decay 0); `teacher_config` the first teacher's train.py config (its data, schedule,
-    what it predicts); `stop` is set by SIGTERM/Ctrl-C."""
-    cfg: DistillConfig
-    device: torch.device
-    teacher_config: dict
-    sched: diffusion.Schedule
-    teacher: torch.nn.Module
-    student: torch.nn.Module
-    ema: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    loader: typing.Any
-    data_identity: dict
-    first_teacher: str = ''  # checkpoint.weights_fingerprint of the trained teacher: its students name it
-    stop: StopFlag = field(default_factory=StopFlag)
+# ----------------------------------------------------------------------------- the settings, checked first
 
-    @property
-    def num_classes(self) -> int:
-        return self.student.config.num_classes
-
-    @property
-    def total_steps(self) -> int:
-        return len(stage_steps(self.cfg)) * self.cfg.steps_per_stage
-
-    def sampled(self) -> torch.nn.Module:  # what the stage's student is: its EMA, or its weights
-        return self.ema if self.ema is not None else self.student
-
-
-# ----------------------------------------------------------------------------- the loss
-
-@torch.no_grad()
-def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_mid: torch.Tensor,
-                      t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
-    """z'': two unclipped DDIM steps of the teacher (its output read as `prediction`), t -> t_mid ->
-    t_to, per image. Two teacher calls; the teacher may be diffusion.guided's (two halves each)."""
-    alpha, sigma = students.alpha_sigma(sched, t, z)
-    x, eps = students.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
-    alpha_mid, sigma_mid = students.alpha_sigma(sched, t_mid, z)
-    z_mid = students.ddim_to(x, eps, alpha_mid, sigma_mid)
-    x, eps = students.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
-    return students.ddim_to(x, eps, *students.alpha_sigma(sched, t_to, z))
-
-
-def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Tensor, steps: int,
-                      prediction: str = 'v', teacher_prediction: str = 'eps', k: torch.Tensor = None,
-                      noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
-    """Progressive distillation's loss for a student of `steps` steps (Salimans & Ho 2022, Algorithm 2):
-    a step k of its grid (uniform over the `steps` unless given), t = g[k] -> t'' = g[k + 1], with the
-    teacher's grid point t' between them (students.student_timesteps of 2 x steps); z_t = alpha_t x0 + sigma_t eps;
-    the target x~ (students.distillation_target) from the teacher's two DDIM steps; the loss
-    max(SNR_t, 1) ||x_student - x~||^2, SNR_t = alpha_t^2 / sigma_t^2 ("truncated SNR" weighting, their
-    snr_trunc: the x error at low noise, the eps error at high). student and teacher are model(z, t)
-    callables; the student's output is read as `prediction` ('v' or 'x'), the teacher's as its own."""
-    grid = torch.tensor(students.student_timesteps(2 * steps, sched.num_steps), device=x0.device)
-    if k is None:
-        k = torch.randint(0, steps, (x0.shape[0],), device=x0.device)
-    if noise is None:
-        noise = torch.randn_like(x0)
-    t, t_mid, t_to = grid[2 * k], grid[2 * k + 1], grid[2 * k + 2]
-    alpha, sigma = students.alpha_sigma(sched, t, x0)
-    z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
-    z_teacher = teacher_two_steps(teacher, sched, z, t, t_mid, t_to, teacher_prediction)
-    target = students.distillation_target(z, z_teacher, alpha, sigma, *students.alpha_sigma(sched, t_to, x0))
-    x, _ = students.x_and_eps(student(z, t).to(z.dtype), z, alpha, sigma, prediction)
-    weight = (alpha / sigma).square().clamp(min=1.0).flatten()
-    per_image = weight * (x - target).square().flatten(1).mean(1)
-    return per_image if per_example else per_image.mean()
-
-
-# ----------------------------------------------------------------------------- the step
-
-def lr_at(within: int, cfg: DistillConfig) -> float:
-    """The paper's schedule per stage: no warm-up, linear decay from --lr to 0 at the stage's end."""
-    return cfg.lr * (1 - within / cfg.steps_per_stage)
-
-
-def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
-    """One optimizer step of the student on a batch (images, or (images, labels)); the loss, unsynced."""
-    cfg = d.cfg
-    stage, within = divmod(step, cfg.steps_per_stage)
-    x0, labels = batch if isinstance(batch, tuple) else (batch, None)
-    student, teacher = d.student, d.teacher
-    # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
-    # last student, which predicts what students predict and learnt the guided output in one pass.
-    teacher_prediction = d.teacher_config.get('prediction', 'eps') if stage == 0 else cfg.prediction
-    if labels is not None:  # the student told the label
-        student = lambda z, t: d.student(z, t, labels)  # noqa: E731
-        teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if stage == 0 else
-                   (lambda z, t: d.teacher(z, t, labels)))
-    for group in d.optimizer.param_groups:
-        group['lr'] = lr_at(within, cfg)
-    loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
-                             teacher_prediction)
-    loss.backward()
-    if cfg.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(d.student.parameters(), cfg.grad_clip)
-    d.optimizer.step()
-    d.optimizer.zero_grad(set_to_none=True)
-    if d.ema is not None:
-        with torch.no_grad():
-            torch._foreach_lerp_(list(d.ema.parameters()), list(d.student.parameters()), 1.0 - cfg.ema_decay)
-    return loss.detach()
-
-
-def begin_stage(d: Distillation, stage: int):
-    """The last stage's student becomes the teacher (stage 0: the checkpoint's EMA already is), and the
-    new student starts as a copy of it, with a fresh optimizer and EMA."""
-    if stage > 0:
-        d.teacher.load_state_dict(d.sampled().state_dict())
-    d.student.load_state_dict(d.teacher.state_dict())
-    if d.ema is not None:
-        d.ema.load_state_dict(d.teacher.state_dict())
-    d.optimizer = torch.optim.Adam(d.student.parameters(), lr=d.cfg.lr)
-
-
-# ----------------------------------------------------------------------------- the loop
-
-def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) -> dict:
-    """The stages' steps from `step` on; a metrics row every --log-every steps, OUT/student-N.pt at
-    each stage's end, OUT/distill.pt every --ckpt-every steps, at each stage's end and at a stop
-    (SIGTERM or Ctrl-C: the step finishes, the checkpoint is saved, exit 0)."""
-    cfg, counts = d.cfg, stage_steps(d.cfg)
-    ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
-    loss_sum, unlogged, interval_start, start = torch.zeros((), device=d.device), 0, time.perf_counter(), seconds
-    clock = time.perf_counter()
-    bar = tqdm(total=d.total_steps, initial=step, dynamic_ncols=True, desc='distill')
-    try:
-        for batch in d.loader.batches(step) if step < d.total_steps else ():
-            stage, within = divmod(step, cfg.steps_per_stage)
-            if within == 0:
-                begin_stage(d, stage)
-            if within == 0 or bar.n == bar.initial:
-                bar.set_description(f'distill {2 * counts[stage]}->{counts[stage]} steps', refresh=False)
-            loss_sum += distill_step(d, batch, step)
-            step, unlogged = step + 1, unlogged + 1
-            bar.update(1)
-            stage_done, stopped = step % cfg.steps_per_stage == 0, d.stop.reason
-            must_save = stage_done or stopped or step % cfg.ckpt_every == 0
-            if step % cfg.log_every == 0 or must_save:  # a checkpoint only after the losses before it are seen finite
-                mean_loss = loss_sum.item() / unlogged
-                if not math.isfinite(mean_loss):
-                    raise NonFiniteLoss(f'the loss became {mean_loss} between steps {step - unlogged + 1} and {step}; '
-                                        f'stopping. The last good checkpoint is {ckpt_path} if it exists.')
-                now = time.perf_counter()
-                seconds += now - clock
-                clock = now
-                log.write({'kind': 'train', 'step': step, 'stage': stage, 'student_steps': counts[stage],
-                           'images_seen': step * cfg.batch_size, 'loss': mean_loss, 'lr': lr_at(within, cfg),
-                           'img_per_s': unlogged * cfg.batch_size / (now - interval_start), 'seconds': seconds})
-                bar.set_postfix(loss=f'{mean_loss:.4g}')
-                loss_sum.zero_()
-                unlogged, interval_start = 0, now
-            if must_save and not all(p.isfinite().all() for p in d.sampled().parameters()):
-                raise NonFiniteLoss(f'the student\'s weights became non-finite at step {step}; stopping. The last good '
-                                    f'checkpoint is {ckpt_path} if it exists.')
-            if stage_done:
-                path = os.path.join(cfg.out_dir, f'student-{counts[stage]}.pt')
-                save_checkpoint(student_state(d, stage, step, seconds), path)
-                log.write({'kind': 'stage', 'step': step, 'stage': stage, 'student_steps': counts[stage],
-                           'teacher_steps': 2 * counts[stage], 'path': path, 'seconds': seconds})
-                tqdm.write(f'stage {stage + 1}/{len(counts)}: {path} ({counts[stage]} steps), {seconds:.0f} s so far')
-            if must_save:
-                save_checkpoint(run_state(d, stage, step, seconds), ckpt_path)
-            if stopped:
-                tqdm.write(f'stopped by {stopped} at step {step}: {ckpt_path} saved; continue with python distill.py '
-                           f'--resume {shlex.quote(ckpt_path)}')
-                return {'step': step, 'stopped': stopped, 'checkpoint': ckpt_path}
-            if step >= d.total_steps:
-                break
-    finally:
-        bar.close()
-    log.write({'kind': 'done', 'step': step, 'seconds': seconds, 'images_seen': step * cfg.batch_size})
-    print(f'done: {len(counts)} stages, {step} steps ({step * cfg.batch_size:,} images) in '
-          f'{seconds - start:.1f} s this process; students {", ".join(map(str, counts))} steps in {cfg.out_dir}')
-    return {'step': step, 'stopped': None, 'checkpoint': ckpt_path}
-
-
-# ----------------------------------------------------------------------------- main
-
-def main(cfg: DistillConfig, given: set = None) -> dict:
-    stop, release = StopFlag(), lambda: None
-    restore_signals = stop.install()
-    try:
-        cfg, ckpt = settings(cfg, changed_fields(cfg) if given is None else given)
-        device = pick_device(cfg.device, 0)
-        with stop.interruptible():  # a stop during start-up: nothing trained, nothing to save
-            d = build(cfg, ckpt, device, stop)
-        release = claim_folder(cfg.out_dir, '--out-dir', ('*.pt.tmp',), () if cfg.resume else ('metrics.jsonl',))
-        step = restore(d, ckpt) if cfg.resume else 0
-        if step >= d.total_steps:  # a finished run resumed: nothing to train, nothing to log again
-            print(f'{cfg.out_dir}: finished already ({step} steps; students of {", ".join(map(str, stage_steps(cfg)))} '
-                  f'steps): nothing to do')
-            return {'step': step, 'stopped': None, 'checkpoint': os.path.join(cfg.out_dir, 'distill.pt')}
-        log = JsonLines(os.path.join(cfg.out_dir, 'metrics.jsonl'))
-        log.drop_after(step)
-        log.write({'config': asdict(cfg), 'teacher_config': d.teacher_config, 'start_step': step,
-                   'stages': stage_steps(cfg), 'grid': GRID, **provenance(device_name(device))})
-        return distill(d, step, log, ckpt['seconds'] if cfg.resume else 0.0)
-    except StopRequested:
-        print(f'stopped by {stop.reason} before distillation started: nothing to save', flush=True)
-        return {'step': 0, 'stopped': stop.reason, 'checkpoint': None}
-    finally:
-        restore_signals()
-        release()
-
-
-def cli(argv=None) -> int:
-    return run_main(main, parse_config(argv, DistillConfig, __doc__), given_fields(argv, DistillConfig))
-
-
-# ============================================================================= bookkeeping
-# Below: validation, building the run and the checkpoint format.
-
-def settings(cfg: DistillConfig, given: set) -> tuple:
+def check_settings(cfg: DistillConfig, given: set) -> tuple:
     """(the resolved config, the checkpoint it starts from) with every flag checked before any work: a
     fresh run reads the teacher (--ckpt), a resumed one (--resume) replays its checkpoint's settings,
     refusing another value of any that moves its numbers."""
@@ -361,7 +152,39 @@ def same_file(name: str, given: str, saved: str) -> bool:
         return False
 
 
-def build(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillation:
+# ----------------------------------------------------------------------------- building the run
+
+@dataclass
+class Distillation:
+    """What one run holds. `teacher` and `student` are UNets; `ema` the student's EMA or None
+    (--ema-decay 0); `teacher_config` the first teacher's train.py config (its data, schedule,
+    what it predicts); `stop` is set by SIGTERM/Ctrl-C."""
+    cfg: DistillConfig
+    device: torch.device
+    teacher_config: dict
+    sched: diffusion.Schedule
+    teacher: torch.nn.Module
+    student: torch.nn.Module
+    ema: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    loader: typing.Any
+    data_identity: dict
+    first_teacher: str = ''  # checkpoint.weights_fingerprint of the trained teacher: its students name it
+    stop: StopFlag = field(default_factory=StopFlag)
+
+    @property
+    def num_classes(self) -> int:
+        return self.student.config.num_classes
+
+    @property
+    def total_steps(self) -> int:
+        return len(stage_steps(self.cfg)) * self.cfg.steps_per_stage
+
+    def sampled(self) -> torch.nn.Module:  # what the stage's student is: its EMA, or its weights
+        return self.ema if self.ema is not None else self.student
+
+
+def build_distillation(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillation:
     """The teacher, the student (a copy of it, without dropout), the optimizer and the teacher's data,
     loaded and checked before the output folder is claimed."""
     resuming = bool(cfg.resume)
@@ -376,26 +199,113 @@ def build(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -> Distillatio
     ema = copy.deepcopy(student).requires_grad_(False) if cfg.ema_decay > 0 else None
     dataset = data.load_dataset(teacher_config['dataset'], cfg.data_dir, config.image_size,
                                 teacher_config.get('shapes_count', 8192), labels=bool(config.num_classes))
-    first = data.first_image(dataset, config.image_size, cfg.data_dir)
-    identity = {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}
-    if config.num_classes:
-        identity['classes'] = list(dataset.class_names)
-    check_same_data({'data': ckpt.get('data')}, named_as, identity, cfg.data_dir)
-    kind = loaders.choose_loader('auto', len(dataset) * first.numel(), device)
+    check_same_data({'data': ckpt.get('data')}, named_as, data_identity(dataset, bool(config.num_classes)),
+                    cfg.data_dir)  # before the loader, which may copy the whole set to the device
     try:
-        loader = loaders.make_loader(kind, dataset, cfg.batch_size, cfg.seed, device, cfg.num_workers,
-                                  flip=data.flipped_in_training(teacher_config['dataset']))
+        train_data = training_data(dataset, config.image_size, cfg.data_dir, cfg.batch_size, cfg.seed, device,
+                                   data.flipped_in_training(teacher_config['dataset']), workers=cfg.num_workers,
+                                   classes=bool(config.num_classes))
     except data.DataError as error:
+        if 'batch size' not in str(error):
+            raise
         raise ConfigError(f'--batch-size {cfg.batch_size}: {error}') from None
     torch.manual_seed(cfg.seed)
     sched = diffusion.make_schedule(1000, teacher_config['schedule']).to(device)
     optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
     first_teacher = ckpt.get('first_teacher_fingerprint', '') if resuming else weights_fingerprint(teacher.state_dict())
-    return Distillation(cfg, device, teacher_config, sched, teacher, student, ema, optimizer, loader, identity,
-                        first_teacher, stop)
+    return Distillation(cfg, device, teacher_config, sched, teacher, student, ema, optimizer, train_data.loader,
+                        train_data.identity, first_teacher, stop)
 
 
-def student_record(d: Distillation, stage: int) -> dict:
+# ----------------------------------------------------------------------------- the loss
+
+@torch.no_grad()
+def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_mid: torch.Tensor,
+                      t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
+    """z'': two unclipped DDIM steps of the teacher (its output read as `prediction`), t -> t_mid ->
+    t_to, per image. Two teacher calls; the teacher may be diffusion.guided's (two halves each)."""
+    alpha, sigma = students.alpha_sigma(sched, t, z)
+    x, eps = students.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    alpha_mid, sigma_mid = students.alpha_sigma(sched, t_mid, z)
+    z_mid = students.ddim_to(x, eps, alpha_mid, sigma_mid)
+    x, eps = students.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
+    return students.ddim_to(x, eps, *students.alpha_sigma(sched, t_to, z))
+
+
+def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Tensor, steps: int,
+                      prediction: str = 'v', teacher_prediction: str = 'eps', k: torch.Tensor = None,
+                      noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
+    """Progressive distillation's loss for a student of `steps` steps (Salimans & Ho 2022, Algorithm 2):
+    a step k of its grid (uniform over the `steps` unless given), t = g[k] -> t'' = g[k + 1], with the
+    teacher's grid point t' between them (students.student_timesteps of 2 x steps); z_t = alpha_t x0 + sigma_t eps;
+    the target x~ (students.distillation_target) from the teacher's two DDIM steps; the loss
+    max(SNR_t, 1) ||x_student - x~||^2, SNR_t = alpha_t^2 / sigma_t^2 ("truncated SNR" weighting, their
+    snr_trunc: the x error at low noise, the eps error at high). student and teacher are model(z, t)
+    callables; the student's output is read as `prediction` ('v' or 'x'), the teacher's as its own."""
+    grid = torch.tensor(students.student_timesteps(2 * steps, sched.num_steps), device=x0.device)
+    if k is None:
+        k = torch.randint(0, steps, (x0.shape[0],), device=x0.device)
+    if noise is None:
+        noise = torch.randn_like(x0)
+    t, t_mid, t_to = grid[2 * k], grid[2 * k + 1], grid[2 * k + 2]
+    alpha, sigma = students.alpha_sigma(sched, t, x0)
+    z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
+    z_teacher = teacher_two_steps(teacher, sched, z, t, t_mid, t_to, teacher_prediction)
+    target = students.distillation_target(z, z_teacher, alpha, sigma, *students.alpha_sigma(sched, t_to, x0))
+    x, _ = students.x_and_eps(student(z, t).to(z.dtype), z, alpha, sigma, prediction)
+    weight = (alpha / sigma).square().clamp(min=1.0).flatten()
+    per_image = weight * (x - target).square().flatten(1).mean(1)
+    return per_image if per_example else per_image.mean()
+
+
+# ----------------------------------------------------------------------------- the step
+
+def stage_lr(within: int, cfg: DistillConfig) -> float:
+    """The paper's schedule per stage: no warm-up, linear decay from --lr to 0 at the stage's end."""
+    return cfg.lr * (1 - within / cfg.steps_per_stage)
+
+
+def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
+    """One optimizer step of the student on a batch (images, or (images, labels)); the loss, unsynced."""
+    cfg = d.cfg
+    stage, within = divmod(step, cfg.steps_per_stage)
+    x0, labels = batch if isinstance(batch, tuple) else (batch, None)
+    student, teacher = d.student, d.teacher
+    # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
+    # last student, which predicts what students predict and learnt the guided output in one pass.
+    teacher_prediction = d.teacher_config.get('prediction', 'eps') if stage == 0 else cfg.prediction
+    if labels is not None:  # the student told the label
+        student = lambda z, t: d.student(z, t, labels)  # noqa: E731
+        teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if stage == 0 else
+                   (lambda z, t: d.teacher(z, t, labels)))
+    for group in d.optimizer.param_groups:
+        group['lr'] = stage_lr(within, cfg)
+    loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
+                             teacher_prediction)
+    loss.backward()
+    if cfg.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(d.student.parameters(), cfg.grad_clip)
+    d.optimizer.step()
+    d.optimizer.zero_grad(set_to_none=True)
+    if d.ema is not None:
+        ema_update(d.ema, d.student, cfg.ema_decay)
+    return loss.detach()
+
+
+def begin_stage(d: Distillation, stage: int):
+    """The last stage's student becomes the teacher (stage 0: the checkpoint's EMA already is), and the
+    new student starts as a copy of it, with a fresh optimizer and EMA."""
+    if stage > 0:
+        d.teacher.load_state_dict(d.sampled().state_dict())
+    d.student.load_state_dict(d.teacher.state_dict())
+    if d.ema is not None:
+        d.ema.load_state_dict(d.teacher.state_dict())
+    d.optimizer = torch.optim.Adam(d.student.parameters(), lr=d.cfg.lr)
+
+
+# ----------------------------------------------------------------------------- the checkpoints
+
+def make_student_record(d: Distillation, stage: int) -> dict:
     """What sample.py draws a student with: its steps, grid and prediction, beside where it came from."""
     steps = stage_steps(d.cfg)[stage]
     return {'steps': steps, 'grid': GRID, 'timesteps': students.student_timesteps(steps, d.sched.num_steps),
@@ -409,34 +319,119 @@ def student_state(d: Distillation, stage: int, step: int, seconds: float) -> dic
     sample, 'student' its record, 'config' the first teacher's train.py config. train.py refuses it."""
     return {'model': d.student.state_dict(), 'ema': d.sampled().state_dict(), 'config': d.teacher_config,
             'model_config': asdict(d.student.config), 'model_version': MODEL_VERSION,
-            'student': student_record(d, stage), 'distill': asdict(d.cfg), 'step': step, 'seconds': seconds,
+            'student': make_student_record(d, stage), 'distill': asdict(d.cfg), 'step': step, 'seconds': seconds,
             'images_seen': step * d.cfg.batch_size}
 
 
 def run_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
     """OUT/distill.pt: the student checkpoint of the stage under way, and what an exact resume needs:
     its teacher, the optimizer, the RNG states and the data's identity (the data order is the step's)."""
-    rng = {'cpu': torch.get_rng_state(),
-           'cuda': torch.cuda.get_rng_state(d.device) if d.device.type == 'cuda' else None}
     return {**student_state(d, stage, step, seconds), 'teacher': d.teacher.state_dict(),
             'first_teacher_fingerprint': d.first_teacher,
-            'teacher_config': d.teacher_config, 'optimizer': d.optimizer.state_dict(), 'rng': rng,
+            'teacher_config': d.teacher_config, 'optimizer': d.optimizer.state_dict(), 'rng': rng_states(d.device),
             'data': d.data_identity}
 
 
-def restore(d: Distillation, ckpt: dict) -> int:
+def restore_distillation(d: Distillation, ckpt: dict) -> int:
     """A distill.pt's states in the run; returns the step to continue from."""
-    try:
-        d.student.load_state_dict(ckpt['model'])
-        if d.ema is not None:
-            d.ema.load_state_dict(ckpt['ema'])
-        d.optimizer.load_state_dict(ckpt['optimizer'])
-    except (KeyError, ValueError, RuntimeError) as error:
-        raise ConfigError(f'--resume {d.cfg.resume}: its states do not fit this run ({error})') from None
-    torch.set_rng_state(ckpt['rng']['cpu'])
-    if d.device.type == 'cuda' and ckpt['rng'].get('cuda') is not None:
-        torch.cuda.set_rng_state(ckpt['rng']['cuda'], d.device)
+    load_states(f'--resume {d.cfg.resume}', [(d.student, ckpt.get('model')), (d.ema, ckpt.get('ema')),
+                                            (d.optimizer, ckpt.get('optimizer'))])
+    set_rng_states(ckpt['rng'], d.device)
     return ckpt['step']
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) -> dict:
+    """The stages' steps from `step` on; a metrics row every --log-every steps, OUT/student-N.pt at
+    each stage's end, OUT/distill.pt every --ckpt-every steps, at each stage's end and at a stop
+    (SIGTERM or Ctrl-C: the step finishes, the checkpoint is saved, exit 0)."""
+    cfg, counts = d.cfg, stage_steps(d.cfg)
+    ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
+    loss_sum, unlogged, interval_start, start = torch.zeros((), device=d.device), 0, time.perf_counter(), seconds
+    clock = time.perf_counter()
+    last_good = f'{d.cfg.resume} (step {step}, resumed from)' if d.cfg.resume else None
+    bar = tqdm(total=d.total_steps, initial=step, dynamic_ncols=True, desc='distill')
+    try:
+        for batch in d.loader.batches(step) if step < d.total_steps else ():
+            stage, within = divmod(step, cfg.steps_per_stage)
+            if within == 0:
+                begin_stage(d, stage)
+            if within == 0 or bar.n == bar.initial:
+                bar.set_description(f'distill {2 * counts[stage]}->{counts[stage]} steps', refresh=False)
+            loss_sum += distill_step(d, batch, step)
+            step, unlogged = step + 1, unlogged + 1
+            bar.update(1)
+            stage_done, stopped = step % cfg.steps_per_stage == 0, d.stop.reason
+            must_save = stage_done or stopped or step % cfg.ckpt_every == 0
+            if step % cfg.log_every == 0 or must_save:  # a checkpoint only after the losses before it are seen finite
+                mean_loss = finite_mean_loss(loss_sum, unlogged, step, last_good)
+                now = time.perf_counter()
+                seconds += now - clock
+                clock = now
+                log.write({'kind': 'train', 'step': step, 'stage': stage, 'student_steps': counts[stage],
+                           'images_seen': step * cfg.batch_size, 'loss': mean_loss, 'lr': stage_lr(within, cfg),
+                           'img_per_s': unlogged * cfg.batch_size / (now - interval_start), 'seconds': seconds})
+                bar.set_postfix(loss=f'{mean_loss:.4g}')
+                loss_sum.zero_()
+                unlogged, interval_start = 0, now
+            if must_save and not weights_finite(d.sampled()):
+                raise NonFiniteLoss(f'the student\'s weights became non-finite at step {step}; stopping. '
+                                    + last_good_note(last_good))
+            if stage_done:
+                path = os.path.join(cfg.out_dir, f'student-{counts[stage]}.pt')
+                save_checkpoint(student_state(d, stage, step, seconds), path)
+                log.write({'kind': 'stage', 'step': step, 'stage': stage, 'student_steps': counts[stage],
+                           'teacher_steps': 2 * counts[stage], 'path': path, 'seconds': seconds})
+                tqdm.write(f'stage {stage + 1}/{len(counts)}: {path} ({counts[stage]} steps), {seconds:.0f} s so far')
+            if must_save:
+                save_checkpoint(run_state(d, stage, step, seconds), ckpt_path)
+                last_good = f'{ckpt_path} (step {step})'
+            if stopped:
+                tqdm.write(f'stopped by {stopped} at step {step}: {ckpt_path} saved; continue with python distill.py '
+                           f'--resume {shlex.quote(ckpt_path)}')
+                return {'step': step, 'stopped': stopped, 'checkpoint': ckpt_path}
+            if step >= d.total_steps:
+                break
+    finally:
+        bar.close()
+    log.write({'kind': 'done', 'step': step, 'seconds': seconds, 'images_seen': step * cfg.batch_size})
+    print(f'done: {len(counts)} stages, {step} steps ({step * cfg.batch_size:,} images) in '
+          f'{seconds - start:.1f} s this process; students {", ".join(map(str, counts))} steps in {cfg.out_dir}')
+    return {'step': step, 'stopped': None, 'checkpoint': ckpt_path}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(cfg: DistillConfig, given: set = None) -> dict:
+    stop, release = StopFlag(), lambda: None
+    restore_signals = stop.install()
+    try:
+        cfg, ckpt = check_settings(cfg, changed_fields(cfg) if given is None else given)
+        device = pick_device(cfg.device, 0)
+        with stop.interruptible():  # a stop during start-up: nothing trained, nothing to save
+            d = build_distillation(cfg, ckpt, device, stop)
+        release = claim_folder(cfg.out_dir, '--out-dir', ('*.pt.tmp',), () if cfg.resume else ('metrics.jsonl',))
+        step = restore_distillation(d, ckpt) if cfg.resume else 0
+        if step >= d.total_steps:  # a finished run resumed: nothing to train, nothing to log again
+            print(f'{cfg.out_dir}: finished already ({step} steps; students of {", ".join(map(str, stage_steps(cfg)))} '
+                  f'steps): nothing to do')
+            return {'step': step, 'stopped': None, 'checkpoint': os.path.join(cfg.out_dir, 'distill.pt')}
+        log = JsonLines(os.path.join(cfg.out_dir, 'metrics.jsonl'))
+        log.drop_after(step)
+        log.write({'config': asdict(cfg), 'teacher_config': d.teacher_config, 'start_step': step,
+                   'stages': stage_steps(cfg), 'grid': GRID, **provenance(device_name(device))})
+        return distill(d, step, log, ckpt['seconds'] if cfg.resume else 0.0)
+    except StopRequested:
+        print(f'stopped by {stop.reason} before distillation started: nothing to save', flush=True)
+        return {'step': 0, 'stopped': stop.reason, 'checkpoint': None}
+    finally:
+        restore_signals()
+        release()
+
+
+def cli(argv=None) -> int:
+    return run_main(main, parse_config(argv, DistillConfig, __doc__), given_fields(argv, DistillConfig))
 
 
 if __name__ == '__main__':

@@ -1,5 +1,5 @@
-"""Measuring a model's quality: FID, the digits score, bits/dim, held-out losses, the divergence
-guard, and the evaluation that train.py runs during training with its curves.
+"""Measuring a model's quality: FID, the digits score, bits/dim, held-out losses, and the evaluation that
+train.py runs during training.
 
 - FID: torch-fidelity's InceptionV3 features and Frechet distance, against a data set's
   statistics (cached in an .npz).
@@ -8,8 +8,9 @@ guard, and the evaluation that train.py runs during training with its curves.
   that decides is the class FD (each digit against its own training digits), averaged over draws.
 - Bits/dim: the variational bound (diffusion.vlb_bits_per_dim) over a data set, exact or as an
   unbiased Monte Carlo estimate.
-- During training: the held-out loss on fixed images, timesteps and noise; `weights_problem`,
-  the check before a checkpoint is written; `Evaluator` (--eval-every) and curves.png.
+- During training: the held-out loss on fixed images, timesteps and noise; `Evaluator`
+  (--eval-every), whose rows training_log.write_curves draws (the check before a checkpoint is
+  written: checkpoint.weights_problem).
 """
 import contextlib
 import copy
@@ -28,13 +29,12 @@ from tqdm import tqdm
 import data
 import diffusion
 import loaders
+from bookkeeping import Run, any_rank, gather_to_rank0
 from cli import ConfigError, StopRequested, brief
 from devices import autocast, own_rng
-from distributed import any_rank, gather_to_rank0
 from drawing import Sampling, draw
 from files import atomic_open, check_writable, remove_dead_writers
 from model import UNetConfig
-from reports import pyplot, save_figure
 
 REFERENCE_SETS = ('cifar10', 'shapes', 'digits', 'folder', 'beton')
 
@@ -446,26 +446,6 @@ def heldout_losses(model, sched: diffusion.Schedule, heldout: tuple, cfg, device
     return torch.cat(losses).cpu()
 
 
-def weights_problem(run, heldout, row: dict):
-    """Why train.py must not save the weights of `run` (a train.Run; None: it may): a non-finite
-    weight of the model or the EMA, or a non-finite held-out loss of either (from this step's log
-    row, or after a stop, which skips it, from one batch of the held-out set)."""
-    for name, module in (('weights', run.model), ('EMA weights', run.ema)):
-        if module is not None and not torch.stack([p.isfinite().all() for p in module.parameters()]).all():
-            return f'non-finite {name}'
-    if heldout is None:
-        return None
-    for key, module in (('heldout_loss', run.model), ('heldout_loss_ema', run.ema)):
-        loss = row.get(key)
-        if loss is None:
-            with own_rng(run.device):
-                few = tuple(x[:run.cfg.batch_size] for x in heldout)
-                loss = heldout_losses(module, run.sched, few, run.cfg, run.device).mean().item()
-        if not math.isfinite(loss):
-            return f"a held-out loss of {loss} ({'EMA' if 'ema' in key else 'model'})"
-    return None
-
-
 def evaluation_seed(seed: int, step: int, rank: int) -> int:
     """The seed of an evaluation's bits/dim draws: one stream per (run seed, step, rank), none of
     them the training's (a function of the three alone, so a resumed run draws what it would have)."""
@@ -499,10 +479,9 @@ class Evaluator:
     bits/dim on held-out images, for train.py --eval-every. Every rank takes a share (batches of
     samples, held-out images), so that none waits idle into a timeout; rank 0 gathers and returns
     the row. The reference statistics are computed (or read from their cache) here, at the
-    start, so that a missing data set or Inception network shows before training, not after.
-    `run` is a train.Run."""
+    start, so that a missing data set or Inception network shows before training, not after."""
 
-    def __init__(self, run):
+    def __init__(self, run: Run):
         cfg, self.run = run.cfg, run
         self.images = data.load_heldout(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.eval_bpd_images)
         self.extractor = self.reference = self.judge = None
@@ -622,80 +601,14 @@ class Evaluator:
                 'digits_near_copies_floor': self.judge.floor['digits_near_copies']}
 
 
-def write_curves(metrics_path: str, png_path: str):
-    """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
-    standard error) and FID (or the digits score, with its floor) against training images seen,
-    training hours on the top axis."""
-    import matplotlib.ticker
-    plt = pyplot()
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    train_rows = [r for r in rows if r.get('kind') == 'train']
-    eval_rows = [r for r in rows if r.get('kind') == 'eval']
-    panels = [('loss', train_rows)]
-    panels += [(name, eval_rows) for name in ('bpd', 'fid', 'digits_class_fd') if any(name in r for r in eval_rows)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
-    for ax, (name, source) in zip(axes[0], panels):
-        if name == 'loss':
-            for key, label in (('loss', 'training loss'), ('heldout_loss', 'held-out loss'),
-                               ('heldout_loss_ema', 'held-out loss, EMA')):
-                points = [(r['images_seen'], r[key]) for r in source if r.get(key) is not None]
-                if points:
-                    ax.plot(*zip(*points), marker='.', label=label)
-            if ax.lines:
-                ax.set_yscale('log')
-                ax.legend(fontsize=8)
-        else:
-            points = [r for r in source if r.get(name) is not None]
-            errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
-            ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
-                        capsize=3)
-            if name == 'digits_class_fd' and points:
-                ax.axhline(points[-1]['digits_class_fd_floor'], color='gray', linestyle=':',
-                           label='floor (held-out digits)')
-                ax.set_yscale('log')
-                ax.legend(fontsize=8)
-        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)',
-                       'digits_class_fd': 'digits score (class FD; lower is better)'}[name])
-        ax.set_xlabel('training images seen')
-        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
-        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
-        ax.grid(alpha=0.3)
-        add_hours_axis(ax, rows)
-    save_figure(fig, png_path)
-
-
-def add_hours_axis(ax, rows: list):
-    """Training time (evaluation, grids and checkpoints left out) as a top axis: hours, or minutes
-    for a run shorter than two hours."""
-    import matplotlib.ticker
-    latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
-    for r in rows:
-        if r.get('train_hours') is not None and 'images_seen' in r:
-            latest[r['images_seen']] = max(r['train_hours'], latest.get(r['images_seen'], 0.0))
-    pairs, top_hours = [], -1.0
-    for images_seen, hours in sorted(latest.items()):
-        if hours > top_hours:
-            pairs.append((images_seen, hours))
-            top_hours = hours
-    if len(pairs) < 2:
-        return
-    images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
-    unit, scale = ('minutes', 60.0) if hours[-1] < 2 else ('hours', 1.0)  # a CPU demo runs for minutes
-    times = hours * scale
-    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, times),
-                                               lambda h: np.interp(h, times, images)))
-    top.set_xlabel(f'training {unit}', fontsize=8)
-    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5, integer=unit == 'minutes'))
-
-
 def digits_summary(score: dict) -> str:
     """The digits score in one paragraph, its floor beside it and the feature space named."""
     floor = score['floor']
     return (f"digits score of {score['digits_samples']} samples, in the features of a digit classifier (not "
             f"Inception: no FID), against the training split: class FD {score['digits_class_fd']:.1f} (the score "
             f"that decides; floor, the held-out real digits: {floor['digits_class_fd']:.1f}), FD "
-            f"{score['digits_fd']:.2f} (floor {floor['digits_fd']:.2f}), KID {score['digits_kid']:.1f} +- {score['digits_kid_std']:.1f} "
+            f"{score['digits_fd']:.2f} (floor {floor['digits_fd']:.2f}), KID {score['digits_kid']:.1f} +- "
+            f"{score['digits_kid_std']:.1f} "
             f"(floor {floor['digits_kid']:.1f}); {score['digits_confident']:.1%} labelled with p >= {CONFIDENT} "
             f"(floor {floor['digits_confident']:.1%}); label entropy {score['digits_class_entropy']:.2f} bits "
             f"(balanced: 3.32); {score['digits_features']}"
@@ -709,7 +622,7 @@ def digits_summary(score: dict) -> str:
 
 # ----------------------------------------------------------------------------- what the training loop calls
 
-def evaluate(run, evaluator, log, step: int) -> dict | None:
+def evaluate(run: Run, evaluator: Evaluator, log, step: int) -> dict | None:
     """An evaluation row (evaluation.Evaluator; {} on ranks other than 0); None if a stop cut it
     short (in one process; under DDP the ranks are inside its collectives, so it finishes)."""
     hours = log.training_seconds() / 3600

@@ -15,6 +15,7 @@ import re
 
 import torch
 
+import bookkeeping
 import roofline
 import train
 from devices import synchronize
@@ -38,7 +39,7 @@ SAMPLERS = ('Downsample', 'Upsample', 'Downsample2D', 'Upsample2D')
 
 def outside_group(name: str) -> str:
     """The group of an op outside every hooked module, by its name (or the name of its scope)."""
-    if re.search(r'_foreach_lerp', name):  # train.ema_update
+    if re.search(r'_foreach_lerp', name):  # bookkeeping.ema_update
         return EMA
     if re.search(r'adam|Optimizer\.|_foreach_norm|vector_norm|_foreach_mul_|_amp_', name, re.IGNORECASE):
         return OPTIMIZER
@@ -162,7 +163,7 @@ def profile_rows(prof, device: torch.device, active: int) -> list:
     return sorted(rows, key=lambda r: -r['self_us'])
 
 
-def profile_steps(run: train.Run, quick: bool, trace: str = None, scopes: ModuleScopes = None) -> tuple:
+def profile_steps(run: bookkeeping.Run, quick: bool, trace: str = None, scopes: ModuleScopes = None) -> tuple:
     """(torch.profiler over train.py's steps, data included, after 3 that compile and warm up; the
     number of steps it profiled); its trace written to TRACE (Chrome/Perfetto JSON) where given;
     with `scopes`, each module group a profiler scope (an eager step: hooks would enter a compiled graph)."""

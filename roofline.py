@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_flop_count
 
+import bookkeeping
 import diffusion
 import loaders
 import train
@@ -194,8 +195,8 @@ def count_step(cfg: train.TrainConfig, cuda: bool = True, make_model=None, scope
                              dtype=torch.uint8)
         loss = train.make_loss(dataclasses.replace(cfg, compile=False), model, sched, cpu)
         optimizer = torch.optim.Adam(model.parameters(), lr=cfg.lr, fused=cfg.fused_adam or None)
-        run = train.Run(cfg, cpu, 0, 1, model, ema, loss, optimizer, torch.amp.GradScaler('cpu', enabled=False),
-                        sched, loaders.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
+        run = bookkeeping.Run(cfg, cpu, 0, 1, model, ema, loss, optimizer, torch.amp.GradScaler('cpu', enabled=False),
+                              sched, loaders.GPULoader(images, cfg.batch_size, cfg.seed, cpu), 'gpu', {})
         stream = train.batches(run, 0)
         train.train_step(run, next(stream), 0)
         with counter:

@@ -9,28 +9,26 @@ bits/dim of them (measured by evaluation.py), or an export to a diffusers pipeli
     python sample.py --ckpt runs/ckpt.pt --num 100 --grid --guidance 2     # class-conditional: a row per class
 
 EMA weights (--weights model: the raw ones); images go to disk batch by batch, and after a stop the
-same command continues (OUT/samples.json holds the settings). Exit codes: 0 done (or stopped with
-what was drawn written), 1 a write failed, 2 bad input, 3 the model drew NaN or inf.
+same command continues (OUT/samples.json holds the settings). The file reads in the order a command
+runs: its flags, load and validate, draw, score, export, main; the files it writes: sample_files.py.
+Exit codes: 0 done (or stopped with what was drawn written), 1 a write failed, 2 bad input, 3 the model
+drew NaN or inf.
 """
 import dataclasses
-import json
 import math
 import os
-import shutil
 import sys
 import time
 import typing
-import zipfile
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 import data
 import diffusion
 import students
-from checkpoint import model_from_checkpoint, read_checkpoint, require_finite, student_record
+from checkpoint import model_from_checkpoint, read_checkpoint, read_student_record, require_finite
 from cli import ConfigError, StopFlag, changed_fields, check_ranges, flag, given_fields, parse_config, run_main
 from devices import pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
@@ -38,8 +36,10 @@ from drawing import GRID_LIMIT, class_labels, draw, write_grid_png
 from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, conditioning_summary,
                         digits_summary, features_of, frechet_distance, inception_extractor, reference_statistics,
                         statistics)
-from files import atomic_open, atomic_path, check_writable, claim_folder
+from files import check_writable, claim_folder
 from model import UNetConfig, count_flops
+from sample_files import (MANIFEST, assemble_npz, batch_paths, continue_or_start, npz_path, our_samples,
+                          sample_settings, write_batch, write_manifest, written_batches)
 
 
 @dataclass
@@ -102,6 +102,11 @@ class SampleConfig:
                                  'Monte Carlo estimate from K stratified timesteps (K + 1 calls per image)')
 
 
+# ----------------------------------------------------------------------------- load and validate
+
+DEFAULT_STEPS = 50  # ddim's and dpm++'s model calls where --steps is not given
+
+
 def load_model(path: str, weights: str, device, student: bool = False, named_as: str = None) -> tuple:
     """(model in eval mode, its UNetConfig, its diffusion.Schedule, what it predicts: 'eps' or 'v')
     from a train.py checkpoint or a diffusers folder (its scheduler/scheduler_config.json, or the
@@ -127,172 +132,6 @@ def load_model(path: str, weights: str, device, student: bool = False, named_as:
     require_finite(model.state_dict(), f'{named_as}: its {weights} weights', 'sample an earlier checkpoint')
     return model.to(device).requires_grad_(False), model.config, diffusion.make_schedule(num_steps, kind), prediction
 
-
-# ----------------------------------------------------------------------------- writing samples
-
-DEFAULT_STEPS = 50  # ddim's and dpm++'s model calls where --steps is not given
-MANIFEST = 'samples.json'  # the settings a folder's samples were drawn with: a rerun must match them
-SETTINGS = ('weights', 'num', 'sampler', 'steps', 'eta', 'spacing', 'variance', 'clip', 'batch_size', 'format',
-            'grid', 'seed', 'amp', 'label', 'guidance')
-
-
-def sample_settings(cfg: SampleConfig) -> dict:
-    """What decides the images: the checkpoint (its path and the sha256 of its bytes, or of a
-    diffusers folder's files) and the sampling flags."""
-    import hashlib
-    digest = hashlib.sha256()
-    files = [cfg.ckpt] if os.path.isfile(cfg.ckpt) else sorted(
-        os.path.join(folder, name) for folder, _, names in os.walk(cfg.ckpt) for name in names)
-    for path in files:
-        with open(path, 'rb') as f:
-            for block in iter(lambda: f.read(1 << 24), b''):
-                digest.update(block)
-    return {'ckpt': os.path.realpath(cfg.ckpt), 'ckpt_sha256': digest.hexdigest(),
-            **{name: getattr(cfg, name) for name in SETTINGS}}
-
-
-def batch_paths(cfg: SampleConfig, index: int) -> list:
-    """The files batch `index` is written to: its PNGs, or its part of the .npz."""
-    if cfg.format == 'npz':
-        return [os.path.join(cfg.out, 'parts', f'batch_{index:06d}.npy')]
-    first = index * cfg.batch_size
-    return [os.path.join(cfg.out, f'{i:06d}.png') for i in range(first, min(first + cfg.batch_size, cfg.num))]
-
-
-def npz_path(cfg: SampleConfig, size: int) -> str:
-    """OUT/samples_NxS.npz: one uint8 (N, S, S, C) array."""
-    return os.path.join(cfg.out, f'samples_{cfg.num}x{size}.npz')
-
-
-def write_batch(images: torch.Tensor, paths: list, file_format: str):
-    """One batch of uint8 (B, C, H, W) images, each file written whole or not at all: PNGs in RGB,
-    or grey ('L') for one channel."""
-    from PIL import Image
-    pixels = images.permute(0, 2, 3, 1).numpy()  # (B, H, W, C)
-    if file_format == 'npz':
-        with atomic_open(paths[0], 'wb', durable=False) as f:
-            np.save(f, pixels)
-        return
-    for path, image in zip(paths, pixels):
-        with atomic_open(path, 'wb', durable=False) as f:
-            Image.fromarray(image[:, :, 0] if image.shape[2] == 1 else image).save(f, format='png')
-
-
-def assemble_npz(cfg: SampleConfig, config: UNetConfig, num_batches: int) -> str:
-    """The parts, in order, as one uint8 (N, H, W, C) array 'arr_0' of an .npz, streamed: memory
-    holds one part at a time."""
-    size = config.image_size
-    path = npz_path(cfg, size)
-    header = {'descr': '|u1', 'fortran_order': False, 'shape': (cfg.num, size, size, config.in_channels)}
-    with atomic_path(path) as tmp, zipfile.ZipFile(tmp, 'w') as archive, \
-            archive.open('arr_0.npy', 'w', force_zip64=True) as f:
-        np.lib.format.write_array_header_1_0(f, header)
-        for index in range(num_batches):
-            f.write(np.load(batch_paths(cfg, index)[0]).tobytes())
-    shutil.rmtree(os.path.join(cfg.out, 'parts'))
-    return path
-
-
-def written_batches(cfg: SampleConfig, config: UNetConfig) -> typing.Iterator[torch.Tensor]:
-    """The samples on disk, as uint8 (B, C, H, W) batches: what FID measures (and what any other
-    tool would read)."""
-    from PIL import Image
-    size, channels = config.image_size, config.in_channels
-    if cfg.format == 'png':
-        for index in range(math.ceil(cfg.num / cfg.batch_size)):
-            images = []
-            for path in batch_paths(cfg, index):
-                with Image.open(path) as image:
-                    pixels = np.asarray(image.convert('L' if channels == 1 else 'RGB')).reshape(size, size, channels)
-                    images.append(torch.from_numpy(pixels.copy()).permute(2, 0, 1))
-            yield torch.stack(images)
-        return
-    with zipfile.ZipFile(npz_path(cfg, size)) as archive, archive.open('arr_0.npy') as f:
-        version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version[0] == 1 else np.lib.format.read_array_header_2_0
-        count = read_header(f)[0][0]
-        for start in range(0, count, cfg.batch_size):
-            n = min(cfg.batch_size, count - start)
-            pixels = np.frombuffer(f.read(n * size * size * channels), np.uint8).reshape(n, size, size, channels)
-            yield torch.from_numpy(pixels.copy()).permute(0, 3, 1, 2)
-
-
-def our_samples(cfg: SampleConfig, settings: dict) -> bool:
-    """Whether --out (claimed by this run) holds samples of these very settings, to continue. Samples
-    are written only into an empty folder or one of ours (its samples.json): a folder of other files
-    is refused, since a user's 000000.png or grid.png would be overwritten, and so is one holding
-    samples drawn with other settings."""
-    path = os.path.join(cfg.out, MANIFEST)
-    others = sorted(set(os.listdir(cfg.out)) - {'lock', MANIFEST})
-    if others and not os.path.isfile(path):
-        raise ConfigError(f"--out {cfg.out} holds files that sample.py did not write ({', '.join(others[:3])}"
-                          f"{', ...' if len(others) > 3 else ''}; no {MANIFEST}): pass an empty or new folder")
-    if not (any(name.endswith(('.png', '.npz')) for name in others) or 'parts' in others):
-        return False
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except ValueError:
-        saved = {}
-    differing = [f'{k} {saved.get(k)!r}, now {v!r}' for k, v in settings.items() if saved.get(k) != v]
-    if differing:
-        raise ConfigError(f"--out {cfg.out} holds samples drawn with other settings ({'; '.join(differing[:3])}): "
-                          f"pass another --out, or empty that one")
-    return True
-
-
-def continue_or_start(cfg: SampleConfig, config: UNetConfig) -> list:
-    """The batches still to draw in --out: all of them, or those a stopped run of the same settings
-    left (our_samples); refused when the disk cannot hold them. Records the settings."""
-    settings, path = sample_settings(cfg), os.path.join(cfg.out, MANIFEST)
-    size, channels = config.image_size, config.in_channels
-    batches = range(math.ceil(cfg.num / cfg.batch_size))
-    todo = batches
-    if our_samples(cfg, settings):
-        # A batch's files are written in order, each whole: its last file is there once all are.
-        todo = [] if cfg.format == 'npz' and os.path.isfile(npz_path(cfg, size)) else \
-            [b for b in batches if not os.path.isfile(batch_paths(cfg, b)[-1])]
-    count = cfg.num if todo is batches else sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
-    per_image = size * size * channels  # npz: the parts and the archive; png: a file takes a 4 kB block at least
-    need = count * (2 * per_image if cfg.format == 'npz' else max(per_image, 4096))
-    free = shutil.disk_usage(cfg.out).free
-    if need > free:
-        raise ConfigError(f'--num {cfg.num}: the samples need about {need / 1e9:.1f} GB and {cfg.out} has '
-                          f'{free / 1e9:.1f} GB free: pass a smaller --num or another --out')
-    with atomic_open(path) as f:  # once every check has passed: a refused run leaves no settings behind
-        json.dump(settings, f, indent=1)
-    return todo
-
-
-def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
-                   prediction: str = 'eps') -> dict:
-    """Draws the batches --out still lacks, writing each as soon as it is drawn (memory: one
-    batch); a rerun with the same arguments continues a stopped run, with the images one run
-    would have drawn. SIGTERM or Ctrl-C: the batch under way is drawn and written, then the run
-    stops (exit 0). The .npz is assembled once every batch is on disk."""
-    size, num_batches = config.image_size, math.ceil(cfg.num / cfg.batch_size)
-    todo = continue_or_start(cfg, config)
-    stop, drawn, start = StopFlag(), 0, time.perf_counter()
-    restore_signals = stop.install()
-    try:
-        for index, images in zip(todo, draw(model, config, sched, cfg, device, batches=todo, prediction=prediction)):
-            write_batch(images, batch_paths(cfg, index), cfg.format)
-            drawn += len(images)
-            if stop.reason is not None:
-                break
-    finally:
-        restore_signals()
-    seconds = time.perf_counter() - start
-    complete = drawn == sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
-    path = cfg.out
-    if complete:
-        path = (npz_path(cfg, size) if os.path.isfile(npz_path(cfg, size)) else assemble_npz(cfg, config, num_batches)
-                ) if cfg.format == 'npz' else os.path.join(cfg.out, f'{0:06d}.png ... {cfg.num - 1:06d}.png')
-    return {'images': drawn, 'seconds': seconds, 'complete': complete, 'stopped': None if complete else stop.reason,
-            'path': path}
-
-
-# ----------------------------------------------------------------------------- main
 
 def validate(cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -> SampleConfig:
     """The flags that depend on the model (its schedule, its channels), and the output folder
@@ -383,83 +222,133 @@ def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
     return dataclasses.replace(cfg, sampler='student', steps=steps, guidance=student.get('guidance'))
 
 
-def main(cfg: SampleConfig, given: set = None) -> dict:
-    check_ranges(cfg)
-    device = pick_device(cfg.device, 0)
-    student = student_record(cfg.ckpt)
+def load(cfg: SampleConfig, given: set, device) -> tuple:
+    """(cfg resolved, model, its UNetConfig, its schedule, what it predicts, its student record or None): a
+    distill.py student redirected to its own sampler (for_student), the weights loaded, every flag checked
+    against the model (validate)."""
+    student = read_student_record(cfg.ckpt)
     if student is not None:
-        cfg = for_student(cfg, changed_fields(cfg) if given is None else given, student)
+        cfg = for_student(cfg, given, student)
     model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device, student is not None)
-    cfg = validate(cfg, config, sched)
-    if cfg.export_diffusers:
-        return export_diffusers(model, sched, cfg, prediction, student)
-    if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
-        model = torch.compile(model)
-    result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
-    if cfg.bpd:
-        result['bpd'] = bits_per_dim(model, config, sched, cfg, device, prediction)
-        print(f"bits/dim on {cfg.bpd_data} ({result['bpd']['images']} images): {result['bpd']['bits_per_dim']:.4f} "
-              f"+- {result['bpd']['stderr'] or 0:.4f} (standard error over images)")
-        if not cfg.fid:
-            return result  # --bpd alone evaluates; add --fid to sample as well
-    # The reference statistics first: a missing data set fails before the sampling, not after.
+    return validate(cfg, config, sched), model, config, sched, prediction, student
+
+
+# ----------------------------------------------------------------------------- draw
+
+def stream_samples(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+                   prediction: str = 'eps') -> dict:
+    """Draws the batches --out still lacks, writing each as soon as it is drawn (memory: one
+    batch); a rerun with the same arguments continues a stopped run, with the images one run
+    would have drawn. SIGTERM or Ctrl-C: the batch under way is drawn and written, then the run
+    stops (exit 0). The .npz is assembled once every batch is on disk."""
+    size, num_batches = config.image_size, math.ceil(cfg.num / cfg.batch_size)
+    todo = continue_or_start(cfg, config)
+    stop, drawn, start = StopFlag(), 0, time.perf_counter()
+    restore_signals = stop.install()
+    try:
+        for index, images in zip(todo, draw(model, config, sched, cfg, device, batches=todo, prediction=prediction)):
+            write_batch(images, batch_paths(cfg, index), cfg.format)
+            drawn += len(images)
+            if stop.reason is not None:
+                break
+    finally:
+        restore_signals()
+    seconds = time.perf_counter() - start
+    complete = drawn == sum(min(cfg.batch_size, cfg.num - b * cfg.batch_size) for b in todo)
+    path = cfg.out
+    if complete:
+        path = (npz_path(cfg, size) if os.path.isfile(npz_path(cfg, size)) else assemble_npz(cfg, config, num_batches)
+                ) if cfg.format == 'npz' else os.path.join(cfg.out, f'{0:06d}.png ... {cfg.num - 1:06d}.png')
+    return {'images': drawn, 'seconds': seconds, 'complete': complete, 'stopped': None if complete else stop.reason,
+            'path': path}
+
+
+def draw_grid(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+              prediction: str) -> tuple:
+    """--grid: every image into OUT/grid.png (a row per class for a class-conditional model); (what was
+    drawn, the images as batches)."""
+    release_lock = claim_folder(cfg.out, '--out', ('grid.png.tmp', MANIFEST + '.tmp'))
+    try:
+        settings = sample_settings(cfg)
+        our_samples(cfg, settings)  # into a folder of ours, as the separate images are
+        write_manifest(cfg, settings)
+        start = time.perf_counter()
+        images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
+        drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
+                 'path': os.path.join(cfg.out, 'grid.png')}
+        by_class = config.num_classes if cfg.label == -1 else 0
+        if by_class and len(images) % by_class:
+            print(f'--grid: {len(images)} images are not a whole row of each of the {by_class} classes: one square '
+                  f'grid, image i of class i mod {by_class} (--num {by_class * max(1, len(images) // by_class)} '
+                  f'gives a row per class)')
+        write_grid_png(images, drawn['path'], by_class)
+    finally:
+        release_lock()
+    return drawn, images.split(cfg.batch_size)
+
+
+def draw_files(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+               prediction: str) -> tuple:
+    """The images into --out, one file each or one .npz (stream_samples); (what was drawn, the samples on
+    disk as batches)."""
+    leftovers = ('[0-9]*.png.tmp', '*.npz.tmp', 'parts/batch_*.npy.tmp', MANIFEST + '.tmp')
+    release_lock = claim_folder(cfg.out, '--out', leftovers)
+    try:
+        drawn = stream_samples(model, config, sched, cfg, device, prediction)
+    finally:
+        release_lock()
+    return drawn, written_batches(cfg, config)
+
+
+def speed_of(drawn: dict, cfg: SampleConfig, config: UNetConfig, sched: diffusion.Schedule) -> dict:
+    """img/s and TFLOP/s of the drawing (model calls x forward FLOPs; a guided call is two halves)."""
+    steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
+    if not drawn['images'] or drawn['seconds'] <= 0:
+        return {}
+    guided = config.num_classes and cfg.guidance not in (0, 1) and cfg.sampler != 'student'
+    flops = count_flops(config)['forward'] * steps * drawn['images'] * (2 if guided else 1)
+    speed = {'img_per_s': drawn['images'] / drawn['seconds'], 'tflops': flops / drawn['seconds'] / 1e12}
+    print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "
+          f"{speed['img_per_s']:.1f} img/s, {speed['tflops']:.2f} TFLOP/s (first batch includes compilation)")
+    return speed
+
+
+# ----------------------------------------------------------------------------- score
+
+def references(cfg: SampleConfig, config: UNetConfig, device) -> tuple:
+    """(the digits judge, or the Inception extractor and the reference statistics) of --fid, made before any
+    drawing: a missing data set or network fails first, not after the sampling."""
     judge = DigitsJudge(config.image_size, cfg.data_dir) if cfg.fid and cfg.fid_data == 'digits' else None
     extractor = inception_extractor(cfg.inception_weights, device) if cfg.fid and not judge else None
     reference = (reference_statistics(cfg.fid_data, cfg.data_dir, config.image_size, extractor, cfg.batch_size,
                                       cfg.fid_stats) if extractor else None)
-    if cfg.grid:  # into a folder of ours, as the separate images are
-        release_lock = claim_folder(cfg.out, '--out', ('grid.png.tmp', MANIFEST + '.tmp'))
-        try:
-            settings = sample_settings(cfg)
-            our_samples(cfg, settings)
-            with atomic_open(os.path.join(cfg.out, MANIFEST)) as f:
-                json.dump(settings, f, indent=1)
-            start = time.perf_counter()
-            images = torch.cat(list(draw(model, config, sched, cfg, device, prediction=prediction)))
-            drawn = {'images': len(images), 'seconds': time.perf_counter() - start, 'complete': True, 'stopped': None,
-                     'path': os.path.join(cfg.out, 'grid.png')}
-            by_class = config.num_classes if cfg.label == -1 else 0
-            if by_class and len(images) % by_class:
-                print(f'--grid: {len(images)} images are not a whole row of each of the {by_class} classes: one '
-                      f'square grid, image i of class i mod {by_class} (--num {by_class * max(1, len(images) // by_class)} '
-                      f'gives a row per class)')
-            write_grid_png(images, drawn['path'], by_class)
-        finally:
-            release_lock()
-        on_disk = images.split(cfg.batch_size)
-    else:
-        leftovers = ('[0-9]*.png.tmp', '*.npz.tmp', 'parts/batch_*.npy.tmp', MANIFEST + '.tmp')
-        release_lock = claim_folder(cfg.out, '--out', leftovers)
-        try:
-            drawn = stream_samples(model, config, sched, cfg, device, prediction)
-        finally:
-            release_lock()
-        on_disk = written_batches(cfg, config)
-    result.update(drawn)
-    steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
-    if drawn['images'] and drawn['seconds'] > 0:
-        guided = config.num_classes and cfg.guidance not in (0, 1) and cfg.sampler != 'student'  # two halves a call
-        flops = count_flops(config)['forward'] * steps * drawn['images'] * (2 if guided else 1)
-        result.update(img_per_s=drawn['images'] / drawn['seconds'], tflops=flops / drawn['seconds'] / 1e12)
-        print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "
-              f"{result['img_per_s']:.1f} img/s, {result['tflops']:.2f} TFLOP/s (first batch includes compilation)")
-    if not drawn['complete']:
-        print(f"stopped by {drawn['stopped']}: {cfg.out} holds what was drawn; the same command continues it")
-        return result
-    print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
+    return judge, extractor, reference
+
+
+def score(batches, cfg: SampleConfig, config: UNetConfig, judge, extractor, reference) -> dict:
+    """The digits score (and, for a class-conditional digits model, whether each sample is the digit asked)
+    or FID of the samples."""
     if judge:
-        images = torch.cat(list(on_disk))
-        result['digits'] = {**judge.score(judge.features(images)), **judge.memorisation(images), 'floor': judge.floor}
+        images = torch.cat(list(batches))
+        result = {'digits': {**judge.score(judge.features(images)), **judge.memorisation(images), 'floor': judge.floor}}
         print(digits_summary(result['digits']))
-        if config.num_classes == 10:  # a class-conditional digits model: is each sample the digit asked?
+        if config.num_classes == 10:
             asked = class_labels(0, len(images), config.num_classes, cfg.label)
             result['conditioning'] = judge.conditioning(images, asked)
             print(conditioning_summary(result['conditioning'], cfg.guidance))
-    elif cfg.fid:
-        fake = statistics(features_of(tqdm(on_disk, desc='sample features', leave=False), extractor))
-        result['fid'] = frechet_distance(fake, reference)
-        print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
+        return result
+    fake = statistics(features_of(tqdm(batches, desc='sample features', leave=False), extractor))
+    result = {'fid': frechet_distance(fake, reference)}
+    print(f"FID against {cfg.fid_data} ({cfg.num} samples): {result['fid']:.3f}")
     return result
+
+
+def measure_bpd(model, config: UNetConfig, sched: diffusion.Schedule, cfg: SampleConfig, device,
+                prediction: str) -> dict:
+    bpd = bits_per_dim(model, config, sched, cfg, device, prediction)
+    print(f"bits/dim on {cfg.bpd_data} ({bpd['images']} images): {bpd['bits_per_dim']:.4f} +- {bpd['stderr'] or 0:.4f} "
+          f"(standard error over images)")
+    return bpd
 
 
 def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, prediction: str,
@@ -478,6 +367,31 @@ def export_diffusers(model, sched: diffusion.Schedule, cfg: SampleConfig, predic
               f'{pipeline.split()[0]} cannot draw it (it passes no class labels); call pipeline.unet(x, t, '
               f'class_labels=...) in your own loop, or sample it here with sample.py --ckpt {cfg.export_diffusers}')
     return {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'export': cfg.export_diffusers}
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(cfg: SampleConfig, given: set = None) -> dict:
+    check_ranges(cfg)
+    device = pick_device(cfg.device, 0)
+    cfg, model, config, sched, prediction, student = load(cfg, changed_fields(cfg) if given is None else given, device)
+    if cfg.export_diffusers:
+        return export_diffusers(model, sched, cfg, prediction, student)
+    if (device.type == 'cuda') if cfg.compile is None else cfg.compile:
+        model = torch.compile(model)
+    result = {'ckpt': cfg.ckpt, 'weights': cfg.weights, 'sampler': cfg.sampler, 'device': str(device)}
+    if cfg.bpd:
+        result['bpd'] = measure_bpd(model, config, sched, cfg, device, prediction)
+        if not cfg.fid:
+            return result  # --bpd alone evaluates; add --fid to sample as well
+    scorers = references(cfg, config, device) if cfg.fid else None
+    drawn, batches = (draw_grid if cfg.grid else draw_files)(model, config, sched, cfg, device, prediction)
+    result.update(drawn, **speed_of(drawn, cfg, config, sched))
+    if not drawn['complete']:
+        print(f"stopped by {drawn['stopped']}: {cfg.out} holds what was drawn; the same command continues it")
+        return result
+    print(f"{cfg.num} images in {drawn['path']}" + ('' if drawn['images'] else ' (all drawn before: nothing to do)'))
+    return {**result, **(score(batches, cfg, config, *scorers) if scorers else {})}
 
 
 def cli(argv=None) -> int:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
+import bookkeeping
 import data
 import diffusion
 import train
@@ -199,7 +200,7 @@ def release(device: torch.device):
 
 
 def build_row_run(row_cfg: train.TrainConfig, bench, device, dataset, make_model=None,
-                  compile_scope: str = 'loss') -> train.Run:
+                  compile_scope: str = 'loss') -> bookkeeping.Run:
     """train.py's run of a row; compile_scope 'model' compiles the network alone (the loss
     around it runs eagerly), 'loss' the whole loss as train.py does."""
     run = train.build_run(row_cfg, device, dataset=dataset, progress=False, make_model=make_model)

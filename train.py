@@ -7,35 +7,35 @@ Exit codes: 0 done (or stopped by SIGTERM/Ctrl-C with a checkpoint saved), 1 a w
 
 The file reads in the order a run happens: the lr and EMA schedules, building the run, the step,
 the loop, main. What a researcher rarely edits lives beside it: the flags, their defaults and
-validation in train_config.py, the checkpoint's state in checkpoint.py, the log (metrics.jsonl,
-the bar, grids) in training_log.py, the evaluations in evaluation.py.
+validation in train_config.py; what every training loop shares (the data and its loader, the EMA
+update, resume states, the non-finite checks) in bookkeeping.py; the checkpoint's state in
+checkpoint.py; the log (metrics.jsonl, the bar, grids, curves) in training_log.py; the evaluations
+in evaluation.py.
 """
 import contextlib
 import copy
-import dataclasses
 import math
 import os
 import sys
 import typing
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
 import data
 import diffusion
-import loaders
+from bookkeeping import (Ranks, Run, agreed_stop, any_rank, ema_update, finite_mean_loss, init_process_group,
+                         setup_distributed, training_data)
 from checkpoint import (already_done, check_resumable, check_same_data, initial_weights, restore, resume_settings,
                         save_if_good, warn_of_changes)
 from cli import StopFlag, StopRequested, changed_fields, given_fields, parse_config, run_main
 from devices import autocast, pick_device
-from distributed import agreed_stop, any_rank, init_process_group, setup_distributed
 from evaluation import evaluate, score_reached
 from model import UNet
-from train_config import check_flags  # noqa: F401 (train.check_flags: for scripts that plan runs of train.py)
 from train_config import (NUM_TIMESTEPS, TrainConfig, attention_note, claim_outputs, model_config_of, resolve_defaults,
                           validate, with_recipe)
-from training_log import finish_run, interval_loss, log_interval, start_logging, write_sample_grid
+from training_log import finish_run, log_interval, start_logging, write_sample_grid
 
 # ----------------------------------------------------------------------------- schedules
 
@@ -59,42 +59,7 @@ def ema_decay_at(step: int, cfg: TrainConfig) -> float:
     return min(cfg.ema_decay, (1 + step) / (10 + step))
 
 
-@torch.no_grad()
-def ema_update(ema: torch.nn.Module, model: torch.nn.Module, decay: float):
-    """ema = decay * ema + (1 - decay) * model, in one fused multi-tensor kernel."""
-    torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1.0 - decay)
-
-
 # ----------------------------------------------------------------------------- building the run
-
-@dataclass
-class Run:
-    """Everything one training process holds. `compute_loss` is what the step calls: the loss of a batch
-    (make_loss; the model inside it maybe wrapped in DDP, the whole of it in torch.compile);
-    `model` the plain module whose state is saved; `ema` exists on rank 0 only. `stop` is set
-    by SIGTERM/Ctrl-C; `control_group` is a CPU process group for the ranks' control messages
-    under DDP."""
-    cfg: TrainConfig
-    device: torch.device
-    rank: int
-    world_size: int
-    model: torch.nn.Module
-    ema: torch.nn.Module | None
-    compute_loss: typing.Callable  # x0 -> L_simple of the batch, without a host sync
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    sched: diffusion.Schedule
-    loader: typing.Any
-    loader_kind: str
-    data_identity: dict  # {'count', 'fingerprint'} of the training images, checked on resume
-    stop: StopFlag = dataclasses.field(default_factory=StopFlag)
-    control_group: typing.Any = None
-    flags: dict = dataclasses.field(default_factory=dict)  # the settings given, replayed by --resume
-
-    @property
-    def total_steps(self) -> int:  # the run's planned length
-        return self.cfg.steps or self.cfg.epochs * self.loader.batches_per_epoch
-
 
 def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, progress=True, make_model=None,
               stop=None, control_group=None, flags=None, init: dict = None) -> Run:
@@ -106,10 +71,9 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
         torch.backends.cudnn.benchmark = True
     if dataset is None:
         dataset = data.load_dataset(cfg.dataset, cfg.data_dir, cfg.image_size, cfg.shapes_count, cfg.class_cond)
-    first = data.first_image(dataset, cfg.image_size, cfg.data_dir)
-    loader_kind = loaders.choose_loader(cfg.loader, len(dataset) * first.numel(), device)
-    loader = loaders.make_loader(loader_kind, dataset, cfg.batch_size // world_size, cfg.seed, device,
-                              cfg.num_workers, rank, world_size, progress, data.flipped_in_training(cfg.dataset))
+    train_data = training_data(dataset, cfg.image_size, cfg.data_dir, cfg.batch_size, cfg.seed, device,
+                               data.flipped_in_training(cfg.dataset), cfg.loader, cfg.num_workers,
+                               Ranks(rank, world_size), progress, classes=cfg.class_cond)
     model = (make_model or UNet)(model_config_of(cfg)).to(device)
     if init is not None:
         model.load_state_dict(init)
@@ -124,12 +88,9 @@ def build_run(cfg: TrainConfig, device, rank=0, world_size=1, dataset=None, prog
     if world_size > 1:
         net = torch.nn.parallel.DistributedDataParallel(model)  # a single-device module: no device_ids needed
     sched = diffusion.make_schedule(NUM_TIMESTEPS, cfg.schedule).to(device)
-    loss = make_loss(cfg, net, sched, device, fullgraph=world_size == 1)  # dynamo breaks the graph at DDP's forward
-    identity = {'count': len(dataset), 'fingerprint': data.fingerprint(dataset)}
-    if cfg.class_cond:  # the classes are part of what was learnt: a resume must see the same ones
-        identity['classes'] = list(dataset.class_names)
-    return Run(cfg, device, rank, world_size, model, ema, loss, optimizer, scaler, sched, loader, loader_kind,
-               identity, stop or StopFlag(), control_group, flags or {})
+    compute_loss = make_loss(cfg, net, sched, device, fullgraph=world_size == 1)  # dynamo breaks at DDP's forward
+    return Run(cfg, device, rank, world_size, model, ema, compute_loss, optimizer, scaler, sched, train_data.loader,
+               train_data.kind, train_data.identity, stop or StopFlag(), control_group, flags or {})
 
 
 # ----------------------------------------------------------------------------- the training step
@@ -145,7 +106,7 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
         sched, cfg.t_sampling, cfg.t_mean, cfg.t_scale).to(device)
     net_classes = getattr(net, 'module', net).config.num_classes if cfg.class_cond else 0
 
-    def loss_of(x0, labels=None, noise=None):
+    def compute_loss(x0, labels=None, noise=None):
         if cfg.channels_last:
             x0 = x0.contiguous(memory_format=torch.channels_last)
         if labels is not None:  # --class-cond: some labels become "no class" (index num_classes)
@@ -157,11 +118,11 @@ def make_loss(cfg: TrainConfig, net, sched: diffusion.Schedule, device, **compil
                                            input_perturbation=cfg.input_perturbation, labels=labels)
     if cfg.compile:
         mode = None if cfg.compile_mode == 'default' else cfg.compile_mode
-        loss_of = torch.compile(loss_of, **{'fullgraph': True, 'mode': mode, **compile_options})
+        compute_loss = torch.compile(compute_loss, **{'fullgraph': True, 'mode': mode, **compile_options})
     if not cfg.immiscible:
-        return loss_of
+        return compute_loss
     # scipy's assignment cannot enter a graph: the noise is drawn and assigned before it, then passed in
-    return lambda x0, labels=None: loss_of(x0, labels, diffusion.immiscible_noise(x0, torch.randn_like(x0)))
+    return lambda x0, labels=None: compute_loss(x0, labels, diffusion.immiscible_noise(x0, torch.randn_like(x0)))
 
 
 def train_step(run: Run, batch, step: int) -> torch.Tensor:
@@ -190,6 +151,15 @@ def batches(run: Run, step: int):
 
 # ----------------------------------------------------------------------------- the loop
 
+def evaluate_for_stop(run: Run, evaluator, log, step: int) -> tuple:
+    """The evaluation due at `step`: (still owed, since a stop cut it short; reached --stop-at-score, on
+    every rank's word)."""
+    scored = evaluate(run, evaluator, log, step)
+    if scored is None:
+        return True, False
+    return False, any_rank(score_reached(run.cfg, scored), run.control_group)
+
+
 def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: bool = False) -> dict:
     """Training steps; after each, when due: a log row with the held-out losses, an evaluation,
     a checkpoint, a sample grid. The device is synchronised only at log rows and checkpoints.
@@ -203,9 +173,7 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
     log.start_loop()
     eval_owed = eval_owed and evaluator is not None
     if eval_owed:  # the last process was stopped at an evaluation: it comes first
-        scored = evaluate(run, evaluator, log, step)
-        eval_owed = scored is None
-        reached = not eval_owed and any_rank(score_reached(cfg, scored), run.control_group)
+        eval_owed, reached = evaluate_for_stop(run, evaluator, log, step)
         # The run ends here as the uninterrupted one would have: at its target, at --stop-at-score
         # (the owed score reached it), or stopped again during this evaluation (still owed, at this step).
         if step >= total_steps or reached or eval_owed:
@@ -224,18 +192,17 @@ def train(run: Run, step: int, log, heldout=None, evaluator=None, eval_owed: boo
             # Log: the interval's mean loss (its one host sync; never past a non-finite loss). With
             # --stop-at-score also before each evaluation, which may end the run.
             if step % cfg.log_every == 0 or at_end or (must_save and unlogged) or (eval_owed and cfg.stop_at_score):
-                mean_loss = interval_loss(run, loss_sum, unlogged, step, last_good)
+                mean_loss = finite_mean_loss(loss_sum, unlogged, step, last_good, run.ranks)
                 row = log_interval(run, log, heldout, step, unlogged, mean_loss, lr_at(step - 1, cfg, total_steps),
                                    with_heldout=not stopped)
                 loss_sum.zero_()
                 unlogged = 0
             # Evaluate: FID and bits/dim of the EMA, every --eval-every training images.
             if eval_owed and not stopped:
-                scored = evaluate(run, evaluator, log, step)
-                eval_owed = scored is None
+                eval_owed, reached = evaluate_for_stop(run, evaluator, log, step)
                 if eval_owed:  # cut short by a stop: save now
                     stopped = must_save = run.stop.reason
-                elif any_rank(score_reached(cfg, scored), run.control_group):  # --stop-at-score: the run's end
+                elif reached:  # --stop-at-score: the run's end
                     at_end = must_save = True
             # Checkpoint, once proven good (finite weights and held-out losses), before the grid.
             if must_save:

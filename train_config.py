@@ -30,7 +30,8 @@ COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-
 # (the time-to-quality ladder's target).
 RECIPES = {
     'digits-demo': ('--dataset', 'digits', '--preset', 'tiny', '--image-size', '16', '--device', 'cpu', '--steps',
-                    '12500', '--stop-at-score', f'{evaluation.DIGITS_TARGET:g}', '--eval-every', '40000', '--eval-noise', 'fresh',
+                    '12500', '--stop-at-score', f'{evaluation.DIGITS_TARGET:g}', '--eval-every', '40000',
+                    '--eval-noise', 'fresh',
                     '--eval-bpd-images', '50', '--eval-bpd-timesteps', '4', '--sampler', 'dpm++', '--sample-steps',
                     '10', '--sample-every', '0'),
 }
@@ -216,7 +217,8 @@ def resolve_defaults(cfg: TrainConfig, device: torch.device) -> TrainConfig:
                 'channels_last': fast_cpu.get('channels_last', False),  # off on CUDA too: measured slower (H200)
                 'snr_gamma': 5.0 if cfg.loss_weight == 'min-snr' else None,
                 **({'label_drop': LABEL_DROP, 'guidance': 1.0} if cfg.class_cond else {}),
-                'eval_samples': 450 if cfg.dataset == 'digits' else 10000, 'eval_draws': 3 if cfg.dataset == 'digits' else 1}
+                'eval_samples': 450 if cfg.dataset == 'digits' else 10000,
+                'eval_draws': 3 if cfg.dataset == 'digits' else 1}
     cfg = dataclasses.replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None})
     if cfg.amp == 'auto':
         cfg.amp = ('bf16' if torch.cuda.is_bf16_supported() else 'off') if cuda else fast_cpu.get('amp', 'off')

@@ -1,27 +1,27 @@
 """train.py's log of a run, which a researcher rarely edits: the clock of training time
 (evaluations, grids and checkpoints left out), metrics.jsonl rows (and TensorBoard), the progress
 bar and curves.png (`Metrics`); and what the loop calls to log: the interval's loss and its
-held-out losses, the sample grids, the start and the end of a run. `run` is a train.Run."""
+held-out losses, the sample grids, the start and the end of a run (a bookkeeping.Run)."""
 import contextlib
-import math
+import json
 import os
 import shlex
 import sys
 import time
 from dataclasses import asdict
 
+import numpy as np
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
 import evaluation
-from cli import NonFiniteLoss, StopRequested, brief
+from bookkeeping import Run, any_rank, on_all_ranks, ranks_identical
+from cli import StopRequested, brief
 from devices import device_name, own_rng, peak_tflops, precision_of, synchronize
-from distributed import any_rank, on_all_ranks, ranks_identical
 from drawing import write_grid
 from files import JsonLines
 from model import count_flops, count_params
-from reports import provenance
+from reports import provenance, pyplot, save_figure
 
 
 class Metrics:
@@ -32,8 +32,8 @@ class Metrics:
     held-out loss or an evaluation runs, and the first step of a process (which compiles) is
     timed on its own as `first_step_s`. `train_seconds` sums the timed training time."""
 
-    def __init__(self, run, step: int, total_steps: int, train_seconds: float = 0.0,
-                 wall_seconds: float = 0.0):  # run: a train.Run
+    def __init__(self, run: Run, step: int, total_steps: int, train_seconds: float = 0.0,
+                 wall_seconds: float = 0.0):
         cfg, self.run = run.cfg, run
         self.active = run.rank == 0
         self.path = os.path.join(cfg.out_dir, 'metrics.jsonl')
@@ -75,7 +75,7 @@ class Metrics:
         if not self.active or (not force and time.perf_counter() - self.curves_drawn < 30):
             return
         with self.paused():
-            evaluation.write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
+            write_curves(self.path, os.path.join(self.run.cfg.out_dir, 'curves.png'))
         self.curves_drawn = time.perf_counter()
 
     def after_step(self):
@@ -134,7 +134,7 @@ class Metrics:
 
 # ----------------------------------------------------------------------------- what the loop calls
 
-def start_logging(run, step: int, train_seconds: float, wall_seconds: float = 0.0) -> tuple:
+def start_logging(run: Run, step: int, train_seconds: float, wall_seconds: float = 0.0) -> tuple:
     """(Metrics, the held-out set, the Evaluator or None). Their start-up work (held-out images,
     Inception network, reference statistics) runs on every rank or on rank 0; if it fails on
     any rank, every rank stops with an error instead of leaving the others in a collective."""
@@ -160,21 +160,8 @@ def start_logging(run, step: int, train_seconds: float, wall_seconds: float = 0.
     return log, heldout, evaluator
 
 
-def interval_loss(run, loss_sum: torch.Tensor, steps: int, step: int, last_good) -> float:
-    """The mean loss of the last `steps` steps over all ranks: the host synchronisation of a log
-    interval. A non-finite one stops the run before anything is logged or saved."""
-    if run.world_size > 1:
-        loss_sum = loss_sum.clone()
-        dist.all_reduce(loss_sum)
-    mean_loss = loss_sum.item() / (steps * run.world_size)
-    if not math.isfinite(mean_loss):
-        raise NonFiniteLoss(f'the loss became {mean_loss} between steps {step - steps + 1} and {step}; stopping. '
-                            + (f'The last good checkpoint is {last_good}.' if last_good
-                               else 'No checkpoint was written by this run.'))
-    return mean_loss
-
-
-def log_interval(run, log, heldout, step: int, steps: int, mean_loss: float, lr: float, with_heldout: bool):
+def log_interval(run: Run, log: Metrics, heldout, step: int, steps: int, mean_loss: float, lr: float,
+                 with_heldout: bool):
     """A metrics.jsonl row: loss, speed and (unless a stop is under way) the held-out losses of
     the model and the EMA, which a signal cuts short."""
     row = log.train_row(step, steps, mean_loss, lr)
@@ -194,7 +181,7 @@ def log_interval(run, log, heldout, step: int, steps: int, mean_loss: float, lr:
     return row
 
 
-def write_sample_grid(run, log, path: str, step: int):
+def write_sample_grid(run: Run, log: Metrics, path: str, step: int):
     """A grid of EMA samples (rank 0); a failure to write it is a warning and training goes on."""
     if run.ema is None:
         return
@@ -211,7 +198,7 @@ def write_sample_grid(run, log, path: str, step: int):
                       file=sys.stderr)
 
 
-def finish_run(run, step: int, stopped, log, ckpt_path: str) -> dict:
+def finish_run(run: Run, step: int, stopped, log: Metrics, ckpt_path: str) -> dict:
     """The end of a run: the DDP weight check, and (unless stopped by a signal) the last grid."""
     cfg = run.cfg
     if run.world_size > 1:
@@ -238,3 +225,72 @@ def finish_run(run, step: int, stopped, log, ckpt_path: str) -> dict:
     log.write({'kind': 'done', 'step': step, 'wall_s': seconds, 'train_seconds': log.training_seconds()})
     log.print(f'done: {step} steps in {seconds:.1f}s; {losses or "no loss logged"}; checkpoint {ckpt_path}{samples}')
     return result
+
+
+# ----------------------------------------------------------------------------- curves.png
+
+def write_curves(metrics_path: str, png_path: str):
+    """OUT/curves.png from metrics.jsonl: training and held-out losses, bits/dim (with its
+    standard error) and FID (or the digits score, with its floor) against training images seen,
+    training hours on the top axis."""
+    import matplotlib.ticker
+    plt = pyplot()
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    train_rows = [r for r in rows if r.get('kind') == 'train']
+    eval_rows = [r for r in rows if r.get('kind') == 'eval']
+    panels = [('loss', train_rows)]
+    panels += [(name, eval_rows) for name in ('bpd', 'fid', 'digits_class_fd') if any(name in r for r in eval_rows)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.8), squeeze=False)
+    for ax, (name, source) in zip(axes[0], panels):
+        if name == 'loss':
+            for key, label in (('loss', 'training loss'), ('heldout_loss', 'held-out loss'),
+                               ('heldout_loss_ema', 'held-out loss, EMA')):
+                points = [(r['images_seen'], r[key]) for r in source if r.get(key) is not None]
+                if points:
+                    ax.plot(*zip(*points), marker='.', label=label)
+            if ax.lines:
+                ax.set_yscale('log')
+                ax.legend(fontsize=8)
+        else:
+            points = [r for r in source if r.get(name) is not None]
+            errors = [r.get('bpd_stderr') or 0 for r in points] if name == 'bpd' else None
+            ax.errorbar([r['images_seen'] for r in points], [r[name] for r in points], yerr=errors, marker='o',
+                        capsize=3)
+            if name == 'digits_class_fd' and points:
+                ax.axhline(points[-1]['digits_class_fd_floor'], color='gray', linestyle=':',
+                           label='floor (held-out digits)')
+                ax.set_yscale('log')
+                ax.legend(fontsize=8)
+        ax.set_ylabel({'loss': 'loss (eps MSE)', 'bpd': 'bits/dim (EMA, held-out)', 'fid': 'FID (EMA samples)',
+                       'digits_class_fd': 'digits score (class FD; lower is better)'}[name])
+        ax.set_xlabel('training images seen')
+        ax.xaxis.set_major_formatter(matplotlib.ticker.EngFormatter(sep=''))  # 20k, 1.5M: long counts overlap
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(6))
+        ax.grid(alpha=0.3)
+        add_hours_axis(ax, rows)
+    save_figure(fig, png_path)
+
+
+def add_hours_axis(ax, rows: list):
+    """Training time (evaluation, grids and checkpoints left out) as a top axis: hours, or minutes
+    for a run shorter than two hours."""
+    import matplotlib.ticker
+    latest = {}  # images seen -> hours; the mapping must rise strictly both ways for np.interp
+    for r in rows:
+        if r.get('train_hours') is not None and 'images_seen' in r:
+            latest[r['images_seen']] = max(r['train_hours'], latest.get(r['images_seen'], 0.0))
+    pairs, top_hours = [], -1.0
+    for images_seen, hours in sorted(latest.items()):
+        if hours > top_hours:
+            pairs.append((images_seen, hours))
+            top_hours = hours
+    if len(pairs) < 2:
+        return
+    images, hours = (np.array(v, dtype=float) for v in zip(*pairs))
+    unit, scale = ('minutes', 60.0) if hours[-1] < 2 else ('hours', 1.0)  # a CPU demo runs for minutes
+    times = hours * scale
+    top = ax.secondary_xaxis('top', functions=(lambda x: np.interp(x, images, times),
+                                               lambda h: np.interp(h, times, images)))
+    top.set_xlabel(f'training {unit}', fontsize=8)
+    top.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(5, integer=unit == 'minutes'))

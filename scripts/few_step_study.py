@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import diffusion  # noqa: E402
 import evaluation  # noqa: E402
 import sample  # noqa: E402
-from checkpoint import read_checkpoint, student_record, weights_fingerprint  # noqa: E402
+from checkpoint import read_checkpoint, read_student_record, weights_fingerprint  # noqa: E402
 from cli import (ConfigError, StopFlag, StopRequested, check_plain_name, check_ranges, flag, int_list,  # noqa: E402
                  parse_config, run_main)
 from devices import device_name, device_slug, pick_device, synchronize  # noqa: E402
@@ -108,7 +108,7 @@ def load_family(teacher_path: str, students_text: str, device, flag_name: str, s
     fingerprint, teacher_settings = None, None
     students = {}
     for path in student_paths(students_text):
-        record = student_record(path)
+        record = read_student_record(path)
         if record is None:
             raise ConfigError(f'--{students_flag}: {path} is not a distill.py student (OUT/student-N.pt)')
         if record['steps'] in students:
@@ -442,8 +442,8 @@ def plot(summaries: dict, judge, path: str):
             ax.axhline(ddpm[0]['fd_mean'], color='grey', ls=':', label='teacher, DDPM 1000 calls')
         if judge:
             ax.axhline(judge.floor[SCORE], color='green', ls='--', label='floor: held-out digits')
-        ax.set(xscale='log', yscale='log', xlabel='network evaluations per image', ylabel='digits score, class FD (lower is better)',
-               title=name)
+        ax.set(xscale='log', yscale='log', xlabel='network evaluations per image',
+               ylabel='digits score, class FD (lower is better)', title=name)
         ax.legend(fontsize=6, ncol=2)
     save_figure(fig, path)
 

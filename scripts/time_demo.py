@@ -72,8 +72,8 @@ def time_demo(cfg: DemoConfig):
     check_plain_name(cfg.stem, '--stem')
     check_creatable(cfg.runs_dir, '--runs-dir')  # train.py makes each seed's folder
     check_writable(cfg.out_dir, '--out-dir')  # the report is written after the first seed: proven writable now
-    result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(cfg), 'flags': DEMO_FLAGS, 'goals': GOALS,
-              'seeds': []}
+    result = {**provenance(device_name(torch.device('cpu'))), 'config': asdict(cfg), 'flags': DEMO_FLAGS,
+              'goals': GOALS, 'seeds': []}
     stop = StopFlag()
     restore = stop.install()  # a SIGTERM or Ctrl-C anywhere in the loop: the seeds timed stay in the report
     try:
@@ -156,7 +156,8 @@ def stopping_row(path: str) -> dict:
 
 
 def summarise(seeds: list) -> dict:
-    return {key: dict(zip(('mean', 'sd'), mean_sd([s[key] for s in seeds]))) for key in ('whole_minutes', 'train_minutes', 'images', 'img_per_s', 'score', 'confident', 'eval_share')} | {
+    keys = ('whole_minutes', 'train_minutes', 'images', 'img_per_s', 'score', 'confident', 'eval_share')
+    return {key: dict(zip(('mean', 'sd'), mean_sd([s[key] for s in seeds]))) for key in keys} | {
         'reached': sum(s['reached'] for s in seeds), 'seeds': len(seeds),
         'within_goals': sum(s['reached'] and s['train_minutes'] <= GOALS['train_minutes']
                             and s['whole_minutes'] <= GOALS['whole_minutes'] for s in seeds)}
@@ -185,7 +186,8 @@ def report(result: dict, cfg: DemoConfig):
              f"held-out digits, about 40); confident: the share of the stopping evaluation's samples the classifier "
              f"labels with p >= 0.9 (real digits: 96.9%).")
     notes = ("\n\nThe README's demo command (`python train.py " + ' '.join(DEMO_FLAGS) + "`) with --seed k, one "
-             "run at a time (each seed's 1-minute load average as it began is in the JSON). Whole command: the wall clock from the process's start to its "
+             "run at a time (each seed's 1-minute load average as it began is in the JSON). Whole command: the "
+             "wall clock from the process's start to its "
              "exit (Python and torch's import, the data, " + ('the digit classifier trained by the first seed '
                                                               'only' if cfg.warm_data else
                                                               'the digit classifier trained in a fresh data '

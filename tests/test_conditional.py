@@ -21,6 +21,7 @@ import evaluation
 import loaders
 import sample
 import train
+import train_config
 
 
 class LabelledToy(torch.nn.Module):
@@ -268,15 +269,15 @@ def test_a_conditional_export_is_diffusers_with_class_labels_and_starts_a_run(co
     with torch.no_grad():
         a, b = ours(x, t, y), theirs(x, t, class_labels=y).sample
     assert (a - b).abs().max() <= 1e-5 * a.abs().max() and a.abs().max() > 0.1
-    start = train.build_run(train.check_flags(digits_args(tmp_path / 'init', '--steps', '1', '--init-from',
+    start = train.build_run(train_config.check_flags(digits_args(tmp_path / 'init', '--steps', '1', '--init-from',
                                                           str(tmp_path / 'pipe'))), torch.device('cpu'),
                             init=checkpoint.initial_weights(str(tmp_path / 'pipe'), ours.config))
     assert all(torch.equal(v, start.model.state_dict()[k]) for k, v in ours.state_dict().items())
 
 
 
-def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, digits_cache, digits_judge,
-                                                                                      capsys):
+def test_the_guidance_sweep_reports_each_scale_with_its_floor_control_and_checkpoint(tmp_path, digits_cache,
+                                                                                      digits_judge, capsys):
     import json
     import guidance_sweep
     cache = digits_cache  # the session's classifier, cached

@@ -295,6 +295,32 @@ def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, whole, tmp_
     assert not torch.equal(student_1['ema']['conv_out.weight'], student_2['ema']['conv_out.weight'])
 
 
+@pytest.mark.parametrize('where', ['loss', 'weights'])
+def test_a_non_finite_loss_or_weight_stops_with_the_last_good_checkpoint_kept(where, teachers, tmp_path, monkeypatch,
+                                                                             capsys):
+    # Checkpoints every 2 steps; step 3 turns the loss NaN (or, with a finite loss, the student's weights):
+    # exit 3, naming the checkpoint of step 2, which stays as it was; nothing of step 3 or later is written.
+    step_once = distill.distill_step
+
+    def breaks_at_step_3(d, batch, step):
+        loss = step_once(d, batch, step)
+        if step + 1 == 3:
+            if where == 'loss':
+                return loss * float('nan')
+            with torch.no_grad():
+                next(d.student.parameters()).fill_(float('inf'))
+        return loss
+    monkeypatch.setattr(distill, 'distill_step', breaks_at_step_3)
+    out = tmp_path / 'broken'
+    assert distill.cli(distill_args(teachers['uncond'], out, '--ckpt-every', '2')) == 3
+    message = capsys.readouterr().err
+    assert ('the loss became nan between steps 3 and 3' if where == 'loss' else "weights became non-finite at step 3") \
+        in message and f"{out / 'distill.pt'} (step 2)" in message
+    kept = load(out / 'distill.pt')
+    assert kept['step'] == 2 and all(t.isfinite().all() for t in kept['model'].values())
+    assert not (out / 'student-2.pt').exists()  # the stage's end (step 3) was never reached
+
+
 def eval_json(line):
     import json
     return json.loads(line)
@@ -485,8 +511,8 @@ def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp
 
 
 def teacher_rows(solver, calls, fds):
-    return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_class_fd': fd, 'evaluations': calls}
-            for s, fd in enumerate(fds)]
+    return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_class_fd': fd,
+             'evaluations': calls} for s, fd in enumerate(fds)]
 
 
 def test_the_study_pairs_each_score_with_the_best_solver_on_the_same_noise():
@@ -497,8 +523,8 @@ def test_the_study_pairs_each_score_with_the_best_solver_on_the_same_noise():
     rows = teacher_rows('dpm++-trailing', 20, (10.0, 20.0, 40.0)) + teacher_rows('ddim-trailing', 20, (12, 24.5, 48))
     rows += teacher_rows('dpm++-trailing', 1, (100, 200, 400)) + teacher_rows('ddim-leading', 1, (300, 199, 385))
     rows += teacher_rows('dpm++-linspace', 20, (10.3, 20.6, 41.2))  # 3% worse on every seed: within the noise
-    rows += [{'model': 'student-1', 'sampler': 'student', 'calls': 1, 'seed': s, 'digits_class_fd': fd, 'evaluations': 1}
-             for s, fd in ((0, 11.0), (1, 24.0), (2, 40.0))]
+    rows += [{'model': 'student-1', 'sampler': 'student', 'calls': 1, 'seed': s, 'digits_class_fd': fd,
+              'evaluations': 1} for s, fd in ((0, 11.0), (1, 24.0), (2, 40.0))]
     summary = {(s['model'], s['sampler'], s['calls']): s for s in few_step_study.summarise(rows)}
     student = summary['student-1', 'student', 1]
     assert student['best_solver'] == 'dpm++-trailing' and student['best_at_20'] == 'dpm++-trailing'

@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers import train_args
 
+import bookkeeping
 import diffusion
 import train
 
@@ -163,7 +164,7 @@ def test_the_ema_length_gives_each_past_step_edms_weight():
     torch.nn.init.zeros_(ema.weight)
     for k in range(steps):
         model.weight.data.fill_(float(k))
-        train.ema_update(ema, model, train.ema_decay_at(k, config))
+        bookkeeping.ema_update(ema, model, train.ema_decay_at(k, config))
     beta = [min(0.9999, 0.5 ** (1 / (0.05 * (k + 1)))) for k in range(steps)]
     weights = [(1 - beta[k]) * math.prod(beta[k + 1:]) for k in range(steps)]
     assert ema.weight.item() == pytest.approx(sum(w * k for k, w in enumerate(weights)), rel=1e-5)

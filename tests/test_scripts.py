@@ -131,9 +131,9 @@ def test_the_readme_runs_the_demo_command_that_time_demo_times():
     text = open(os.path.join(root, 'docs/training.md')).read()
     command = re.search(r'python train\.py --dataset digits .*?(?<!\\)\n', text, re.S).group(0)
     assert shlex.split(command.replace('\\\n', ' '))[2:] == list(train_config.RECIPES['digits-demo'])
-    recipe = train.check_flags(time_demo.DEMO_FLAGS)
+    recipe = train_config.check_flags(time_demo.DEMO_FLAGS)
     assert recipe.recipe == 'digits-demo'
-    assert dataclasses.replace(recipe, recipe='') == train.check_flags(list(train_config.RECIPES['digits-demo']))
+    assert dataclasses.replace(recipe, recipe='') == train_config.check_flags(list(train_config.RECIPES['digits-demo']))
 
 
 def test_time_demo_times_each_seed_from_a_fresh_folder_and_keeps_the_seeds_done(tmp_path, monkeypatch, capsys):
@@ -300,7 +300,8 @@ def test_reports_name_no_path_of_the_machine_that_made_them(tmp_path):
     import reports
     outside = str(tmp_path / 'runs' / 'teacher' / 'ckpt.pt')
     inside = os.path.join(reports.ROOT, 'results', 'x.md')
-    result = {'device': 'cpu', 'torch': '2', 'date': 'today', 'commit': 'abc', 'command': f'python x.py --ckpt {outside}',
+    result = {'device': 'cpu', 'torch': '2', 'date': 'today', 'commit': 'abc',
+              'command': f'python x.py --ckpt {outside}',
               'config': {'ckpt': outside, 'out_dir': inside, 'url': 'https://example.org/tmp/kept'}}
     reports.write_report(str(tmp_path), 'r', result, f'Study of {outside}', f'| {outside} |', notes=f'; {inside}')
     for name in ('r.json', 'r.md'):

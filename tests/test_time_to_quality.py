@@ -611,7 +611,8 @@ def test_one_rule_reuses_refuses_or_replaces_a_finished_curve(tmp_path, capsys, 
     path = runs / 'baseline-64-seed1.json'
     saved = json.loads(path.read_text())
     first = max(json.loads((runs / f'baseline-64-seed{s}.json').read_text())['curve'][0]['score'] for s in (0, 1))
-    refused = {'another target': (['--target', f'{first + 1:.1f}'], f'made to stop at --target {evaluation.DIGITS_TARGET}'),
+    refused = {'another target': (['--target', f'{first + 1:.1f}'],
+                                  f'made to stop at --target {evaluation.DIGITS_TARGET}'),
                'other flags': ([], 'made with other settings'), 'other code': ([], 'made by other code'),
                'edited': ([], 'edited since its run wrote it')}
     if case == 'other flags':  # as code that writes the arm's flags otherwise would have made it
@@ -646,7 +647,8 @@ def test_one_rule_reuses_refuses_or_replaces_a_finished_curve(tmp_path, capsys, 
         assert ttq.code_identity()['hash'] in (tmp_path / 'out' / 'ladder.md').read_text()  # the report shows it
         return
     monkeypatch.setattr(train, 'cli', lambda argv: pytest.fail('a finished run was trained again'))
-    extra = ['--target', str(evaluation.DIGITS_TARGET - 1)] if case == 'a target that stops it alike' else []  # neither is reached
+    alike = case == 'a target that stops it alike'
+    extra = ['--target', str(evaluation.DIGITS_TARGET - 1)] if alike else []  # neither is reached
     assert ttq.main(args + extra) == 0
     assert {k: v for k, v in snapshot(tmp_path).items() if 'ladder-runs' in k} == {
         k: v for k, v in before.items() if 'ladder-runs' in k}
@@ -818,7 +820,8 @@ def test_bf16_on_a_cpu_without_it_is_refused_and_the_defaults_follow_the_capabil
     import devices
     cpu = torch.device('cpu')
     every_lever = {'amp': 'bf16', 'compile': True, 'channels_last': True, 'fused_adam': True}
-    monkeypatch.setattr(train_config, 'CPU_FAST_PATH', every_lever)  # so that either way is seen, whatever the table holds
+    # so that either way is seen, whatever the table holds
+    monkeypatch.setattr(train_config, 'CPU_FAST_PATH', every_lever)
 
     def defaults():
         cfg = train.resolve_defaults(train.TrainConfig(preset='tiny'), cpu)
@@ -952,5 +955,5 @@ def test_each_lever_changes_the_settings_it_names_and_no_other(monkeypatch):
     levers = [lv for lv in ttq.speed_levers(torch.device('cpu'), cfg) if lv.name != '+ bf16']
     assert [lv.name for lv in levers] == list(expected)
     for lever in levers:
-        got = dataclasses.asdict(train.check_flags(ttq.base_flags(cfg) + lever.flags))
+        got = dataclasses.asdict(train_config.check_flags(ttq.base_flags(cfg) + lever.flags))
         assert {k: v for k, v in got.items() if v != base[k]} == expected[lever.name], lever.name

@@ -23,6 +23,7 @@ import evaluation
 import files
 import loaders
 import train
+import train_config
 import training_log
 from model import AttnBlock, UNet, get_config
 
@@ -758,14 +759,16 @@ def test_mfu_is_per_gpu(monkeypatch):
 
 
 def test_modules_import_only_the_layers_below_them():
-    # cli at the bottom; the plumbing (files, devices, ranks, reports); then the model, the maths and the
-    # data sets; the loaders, diffusers' formats and the students' maths; the peers (diffusers' UNet, recipe
-    # and solvers); drawing images (with any solver, the peers' too); evaluation; our checkpoints (saved only
-    # once evaluation's checks pass); sampling, training's config and log; training and distillation; the
-    # step's bound and its profile; the benchmark. The Triton kernels sit under the model, which calls them.
+    # cli at the bottom; the plumbing (files, devices, ranks, reports, sample.py's files); then the model, the
+    # maths and the data sets; the loaders, diffusers' formats and the students' maths; the peers (diffusers'
+    # UNet, recipe and solvers) and a run's bookkeeping; drawing images (with any solver, the peers' too);
+    # evaluation; our checkpoints (saved only once evaluation's checks pass); sampling, training's config and
+    # log; training and distillation; the step's bound and its profile; the benchmark. The Triton kernels sit
+    # under the model, which calls them.
     import ast
-    layer = {'cli': 0, 'kernels': 0, 'files': 1, 'devices': 1, 'distributed': 1, 'reports': 2, 'model': 3,
-             'diffusion': 3, 'data': 3, 'loaders': 4, 'diffusers_io': 4, 'students': 4, 'peers': 5, 'drawing': 6,
+    layer = {'cli': 0, 'kernels': 0, 'files': 1, 'devices': 1, 'reports': 2, 'model': 3,
+             'diffusion': 3, 'data': 3, 'sample_files': 2, 'loaders': 4, 'diffusers_io': 4, 'students': 4,
+             'peers': 5, 'bookkeeping': 5, 'drawing': 6,
              'evaluation': 7, 'checkpoint': 8, 'sample': 9, 'train_config': 9, 'training_log': 9, 'train': 10,
              'distill': 10, 'roofline': 11, 'timing': 11, 'profiling': 12, 'benchmark': 13}
     folder = os.path.dirname(train.__file__)
@@ -786,8 +789,9 @@ def test_the_presets_attention_at_no_level_is_said_and_a_given_one_refused(tmp_p
     assert run(tmp_path / 'one', '--steps', '1', '--sample-every', '0', '--channel-mults', '1') == 0
     out = capsys.readouterr().out
     assert "the preset's attention at 8 pixels is at no level of this UNet (levels at 16)" in out
-    model = train.UNet(train.model_config_of(train.check_flags(train_args(tmp_path, '--channel-mults', '1'))))
-    assert not any(type(m).__name__ == 'AttnBlock' for m in model.down.modules()) and model.config.attn_resolutions == (8,)
+    model = train.UNet(train.model_config_of(train_config.check_flags(train_args(tmp_path, '--channel-mults', '1'))))
+    assert not any(type(m).__name__ == 'AttnBlock' for m in model.down.modules())
+    assert model.config.attn_resolutions == (8,)
     assert run(tmp_path / 'given', '--steps', '1', '--channel-mults', '1', '--attn-resolutions', '8') == 2
     assert "--attn-resolutions 8: this UNet's levels are at 16 pixels" in _stderr_line(capsys)
     assert run(tmp_path / 'tiny', '--steps', '1', '--sample-every', '0') == 0
@@ -800,10 +804,11 @@ def test_a_recipe_stands_for_its_flags_and_a_flag_beside_it_wins():
     for argv in (['--recipe', 'digits-demo'], ['--recipe=digits-demo'], ['--rec', 'digits-demo']):  # as argparse reads
         assert train_config.with_recipe(argv) == demo + argv
     assert train_config.with_recipe(['--seed', '3']) == ['--seed', '3']
-    cfg = train.check_flags(['--recipe', 'digits-demo', '--steps', '20000', '--seed', '3'])
+    cfg = train_config.check_flags(['--recipe', 'digits-demo', '--steps', '20000', '--seed', '3'])
     assert (cfg.steps, cfg.seed, cfg.dataset, cfg.stop_at_score) == (20000, 3, 'digits', evaluation.DIGITS_TARGET)
     epochs = train_config.with_recipe(['--recipe', 'digits-demo', '--epochs', '300'])
-    assert '--steps' not in epochs and train.check_flags(epochs).steps is None  # --epochs given: not the recipe's steps
+    assert '--steps' not in epochs  # --epochs given: not the recipe's steps
+    assert train_config.check_flags(epochs).steps is None
 
 
 def test_checkpoints_of_the_old_network_are_refused(tmp_path, capsys):
@@ -859,7 +864,7 @@ def test_one_lucky_draw_under_the_target_does_not_stop_the_run(tmp_path, monkeyp
         (3, 50.0, None), (5, 9.0, 30.0), (8, 8.0, 7.0)]
     assert metrics(tmp_path)[-1]['step'] == 8 and load_ckpt(tmp_path)['step'] == 8
     row = {'fid': 9.0}
-    cfg = train.check_flags(['--stop-at-score', '10', '--eval-every', '20'])
+    cfg = train_config.check_flags(['--stop-at-score', '10', '--eval-every', '20'])
     assert not evaluation.score_reached(cfg, row)  # a score never drawn again stops nothing
     assert evaluation.score_reached(cfg, {**row, 'fid_confirm': 10.0})
     assert not evaluation.score_reached(cfg, {**row, 'fid_confirm': 10.5})

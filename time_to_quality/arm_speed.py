@@ -17,7 +17,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-import train
+import train_config
 from cli import ConfigError, StopFlag, check_ranges, flag, parse_config, run_main
 from devices import device_name, pick_device
 from files import check_creatable
@@ -80,7 +80,8 @@ def measure(cfg: ArmSpeedConfig):
         print(f'stopped by {stop.reason}: no report written (its rounds would be unfinished); rerun to time them',
               flush=True)
         return
-    result = {**provenance(device_name(device)), 'config': asdict(cfg), 'batch': train.check_flags(common).batch_size,
+    result = {**provenance(device_name(device)), 'config': asdict(cfg),
+              'batch': train_config.check_flags(common).batch_size,
               'arms': summarise(arms, got['img_per_s'], got['warmup_s'], study)}
     report(result, cfg, stem)
 
@@ -160,11 +161,13 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
     for name, arm in result['arms'].items():
         s, m = arm['speed_vs_baseline'], arm.get('minutes') or {}
         back, (soonest, latest) = arm['pays_back'], arm['pays_back_interval']
-        rows.append([name, f"{arm['median_img_per_s']:,.0f}", f"{min(arm['img_per_s']):,.0f}-{max(arm['img_per_s']):,.0f}",
+        spread = f"{min(arm['img_per_s']):,.0f}-{max(arm['img_per_s']):,.0f}"
+        interval = '' if not back else f" [{soonest:,.0f}, {'never' if latest is None else f'{latest:,.0f}'}]"
+        rows.append([name, f"{arm['median_img_per_s']:,.0f}", spread,
                      f"{s['ratio']:.3f} [{s['low']:.3f}, {s['high']:.3f}]",
                      arm['decision']['status'] if 'decision' in arm else '-', f"{arm['warmup_s']:.1f}",
-                     '-' if name == 'baseline' else 'never' if back is None else f'{back:,.0f}' + ('' if not back else
-                                                                    f" [{soonest:,.0f}, {'never' if latest is None else f'{latest:,.0f}'}]"),
+                     '-' if name == 'baseline' else 'never' if back is None else
+                     f'{back:,.0f}' + ('' if not back else interval),
                      (f"{statistics.mean(m['minutes']):.2f}" + ('' if m['reached'] else ' (not reached)'))
                      if m.get('minutes') else '-',
                      f"{m['ratio']:.2f}x [{m['low']:.2f}, {m['high']:.2f}] (images {m['images_ratio']:.2f}x)"
@@ -178,7 +181,8 @@ def report(result: dict, cfg: ArmSpeedConfig, stem: str):
              "The keep rule is the ladder's, each round a pair (screen: the mean log ratio of the first 3 rounds "
              "above 0; kept: its 95% t-interval above 0 on 5 rounds or more). Warm-up: the seconds of the "
              f"{cfg.warmup} untimed steps (compiling included, into "
-             + ("an empty Inductor cache, as on a first run); an " if cfg.cold_compile else "Inductor's cache as found); an ")
+             + ("an empty Inductor cache, as on a first run); an " if cfg.cold_compile
+                else "Inductor's cache as found); an ")
              + "arm that warms up longer than the baseline but runs faster has saved that time back after the "
              "images given (extra seconds / ((1 - 1 / its speed ratio) / the baseline's median img/s), the interval "
              "from the ratio's). Rounds in one process are paired by the machine's state, not independent: the "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import evaluation
 import time_to_quality
 import train
+import train_config
 from cli import (ConfigError, StopFlag, StopRequested, brief, check_plain_name, check_ranges, flag, parse_config,
                  run_main)
 from devices import cpu_has_native_bf16, device_name, pick_device
@@ -90,7 +91,7 @@ class LadderConfig:
 
 
 def ours(cfg: LadderConfig) -> train.TrainConfig:
-    return train.check_flags(base_flags(cfg))
+    return train_config.check_flags(base_flags(cfg))
 
 
 def speed_levers(device, cfg: LadderConfig) -> list:
@@ -129,7 +130,7 @@ def names_in(value: str, name: str) -> list:
 # its training and evaluation run through, the diffusers recipe's parts and its arm (recipe.py), and the
 # functions that make a run and read its curve (runs.py's, by their source).
 TRAINING_CODE = ('train.py', 'train_config.py', 'model.py', 'diffusion.py', 'data.py', 'loaders.py', 'checkpoint.py',
-                 'evaluation.py', 'training_log.py', 'cli.py', 'devices.py', 'distributed.py', 'drawing.py', 'files.py',
+                 'evaluation.py', 'training_log.py', 'cli.py', 'devices.py', 'bookkeeping.py', 'drawing.py', 'files.py',
                  'diffusers_io.py', 'peers.py', 'time_to_quality/recipe.py')
 RUN_MAKERS = ('base_flags', 'run_flags', 'train_arm')
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -531,7 +532,8 @@ def check_arms(cfg: LadderConfig):
         raise ConfigError(f'--speed-rounds {cfg.speed_rounds}: fewer than the pairs that keep a lever '
                           f'({max(cfg.seeds, cfg.lever_seeds)}, --seeds): no speed lever could be kept')
     for arm, images in budgets:
-        batch = recipe_settings(arm)[0] if arm.recipe else train.check_flags(base_flags(cfg) + arm.flags).batch_size
+        batch = (recipe_settings(arm)[0] if arm.recipe else
+                 train_config.check_flags(base_flags(cfg) + arm.flags).batch_size)
         if math.ceil(images / batch) * batch < cfg.eval_every:
             raise ConfigError(f'at batch {batch} a {images:,}-image run of {arm.name!r} ends at '
                               f'{math.ceil(images / batch) * batch:,} images, before its first evaluation '

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import evaluation
 import train
+import train_config
 
 from .arms import Arm, slug
 from .report import stem_of
@@ -25,11 +26,11 @@ def base_flags(cfg) -> list:
 def run_flags(cfg, job, folder: str) -> tuple:
     """train.py's flags of one run (the budget, the stop at the target, the evaluations, the outputs,
     the arm's) and the config train.py resolves them to."""
-    batch = train.check_flags(base_flags(cfg) + job.arm.flags).batch_size
+    batch = train_config.check_flags(base_flags(cfg) + job.arm.flags).batch_size
     flags = base_flags(cfg) + ['--steps', str(math.ceil(job.images / batch)), '--seed', str(job.seed),
                                '--out-dir', folder, *(['--stop-at-score', str(job.target)] if job.target else []),
                                *job.arm.flags]
-    return flags, train.check_flags(flags)
+    return flags, train_config.check_flags(flags)
 
 
 @dataclass(frozen=True)

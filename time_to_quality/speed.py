@@ -14,6 +14,7 @@ from unittest import mock
 
 import data
 import train
+import train_config
 from cli import ConfigError, brief
 from devices import synchronize
 from reports import provenance
@@ -27,7 +28,7 @@ WARMUP_STEPS = 10  # untimed steps of each arm before the first round (a compile
 def build(flags: list, device, dataset, folder: str):
     """The run train.py builds from `flags` (never saved: it writes no checkpoint), and an endless
     iterator of its batches."""
-    run = train.build_run(train.check_flags(flags + ['--steps', '1000000', '--out-dir', folder]), device,
+    run = train.build_run(train_config.check_flags(flags + ['--steps', '1000000', '--out-dir', folder]), device,
                           dataset=dataset, progress=False)
     return run, train.batches(run, 0)
 
@@ -49,7 +50,7 @@ def interleave(arms: dict, common: list, device, rounds: int, steps: int, warmup
     rounds of `steps` timed steps each, the arms' order rotated each round. Returns {'img_per_s': {name:
     [per round]}, 'warmup_s': {name: s}, 'batch': {name: batch}}; None when `stop` (a StopFlag) was set,
     as soon as the arm being built or warmed up, or the round under way, is done (a compile is not cut)."""
-    base = train.check_flags(common)
+    base = train_config.check_flags(common)
     dataset = data.load_dataset(base.dataset, base.data_dir, base.image_size)
     names = list(arms)
     rates, warmup_s = {name: [] for name in names}, {}
