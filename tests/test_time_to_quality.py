@@ -676,6 +676,26 @@ def test_impossible_values_in_a_curve_are_one_line_naming_it(tmp_path, capsys, b
         assert code == 2 and len(err.splitlines()) == 1 and expected in err and snapshot(tmp_path) == before, err
 
 
+def test_a_run_past_an_unconfirmed_score_is_read_and_one_ending_above_its_stop_is_refused(tmp_path, baseline_part):
+    # train.py stops at a score at or under --stop-at-score only when a second draw holds it there: a run may
+    # train on past such a score (its curve is read), but never end above its stop with room for another
+    # evaluation in its budget (refused in one line).
+    copy_part(baseline_part, tmp_path)
+    path = tmp_path / 'out' / 'ladder-runs' / 'baseline-64-seed1.json'
+    saved = json.loads(path.read_text())
+    saved.pop('digest')
+    stop = saved['run']['stop_at']
+    cfg = ttq.parse_config(ladder_args(baseline_part), ttq.LadderConfig)
+    saved['curve'][0]['score'], saved['curve'][1]['score'] = stop - 1, stop - 2  # the first not held; the second
+    path.write_text(json.dumps(saved))
+    assert ttq.reuse_or_refuse(str(path), cfg, saved['ladder'], stop)['curve'][-1]['score'] == stop - 2
+    saved['curve'] = saved['curve'][:1]
+    saved['curve'][0]['score'] = stop + 1  # ended at 32 of 64 images, above its stop
+    path.write_text(json.dumps(saved))
+    with pytest.raises(ttq.ConfigError, match='its end above its stop'):
+        ttq.reuse_or_refuse(str(path), cfg, saved['ladder'], stop)
+
+
 def test_the_committed_report_is_the_keep_rule_on_the_committed_curves(root, monkeypatch, tmp_path):
     # results/: every committed curve read back under the reuse rule (they predate code hashes: read for a
     # report, refused beside a new run), nothing trained, and the committed report's decisions, headline,

@@ -63,7 +63,7 @@ def stop_index(curve: list, target):
 def impossible(saved: dict, floor: float) -> str | None:
     """What makes a curve record one no run could have written, or None: a score not finite or below
     the floor, images not whole and increasing, minutes negative or going back, a time not finite, an
-    evaluation after the one its stop ended it at."""
+    end above its stop short of its budget."""
     def number(x, low=0.0):
         return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= low
     run, curve = saved['run'], saved['curve']
@@ -89,7 +89,10 @@ def impossible(saved: dict, floor: float) -> str | None:
     for key in ('img_per_s', 'train_minutes'):
         if not number(saved[key]):
             return f'{key} {saved[key]!r} (finite, 0 or more)'
-    stopped = stop_index(curve, run['stop_at'])
-    if stopped is not None and stopped < len(curve) - 1:
-        return f"evaluations after its stop at {run['stop_at']} (at {curve[stopped]['images']:,} images)"
+    # A run may train on past a score at or under its stop (train.py draws it again and goes on when the
+    # second draw is above it), but it never ends above its stop while its budget holds another evaluation.
+    room = curve and curve[-1]['images'] + saved['ladder']['eval_every'] <= run['images']
+    if room and run['stop_at'] is not None and curve[-1]['score'] > run['stop_at']:
+        return (f"its end above its stop at {run['stop_at']} ({curve[-1]['score']:.2f} at {curve[-1]['images']:,} "
+                f"images)")
     return None
