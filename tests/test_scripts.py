@@ -265,7 +265,7 @@ def readme_tables_and_sources(text: str) -> list:
     that links a file in results/."""
     found = []
     for section in re.split(r'\n(?=## )', text):
-        sources = re.findall(r'\((results/[\w./-]+\.md)\)', section)
+        sources = [a or b for a, b in re.findall(r'\((results/[\w./-]+\.md)\)|\]: (results/[\w./-]+\.md)', section)]
         cells = [cell.strip() for line in section.splitlines() if line.startswith('| ') and ':-' not in line
                  for cell in line.strip('|').split('|')]
         numbers = [n for cell in cells if cell[:1].isdigit() for n in re.findall(NUMBER, cell)]
