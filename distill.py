@@ -1,7 +1,9 @@
-"""Few-step students of a trained model by progressive distillation: python distill.py --help
+"""Few-step students of a trained model, by progressive distillation or as consistency students:
+python distill.py --help
 
     python distill.py --ckpt runs/ckpt.pt --out-dir runs/distill       # students of 32, 16, ..., 1 steps
     python sample.py --ckpt runs/distill/student-4.pt --num 64 --grid  # draws with its own 4 steps
+    python distill.py --ckpt runs/ckpt.pt --method consistency --out-dir runs/consistency  # 1 and 2 calls
 
 Salimans & Ho (2022), "Progressive Distillation for Fast Sampling of Diffusion Models" (their code:
 google-research diffusion_distillation, dpm.py). The first teacher is a train.py checkpoint's EMA
@@ -12,6 +14,14 @@ OUT/student-N.pt, which sample.py draws with its own N steps on the grid it was 
 (students.student_timesteps, from t = T-1 to the clean endpoint). A class-conditional teacher is
 distilled at --guidance s: the teacher runs both halves of classifier-free guidance, the student
 learns the guided output with the label as its input, one pass per step.
+--method consistency tunes one student, a copy of the teacher, into a consistency model in the manner of
+ECT (Geng et al. 2025, "Consistency Models Made Easy"; students.py holds its maths): f(z_t, t) is
+trained to equal f(z_r, r) (stop-gradient) at a nearer level r of the same trajectory, the gap t - r
+halving at each of --stages stages. The point z_r comes from the same image and noise (consistency
+training, --ode-step data: ECT's) or from the teacher's DDIM step from z_t (consistency distillation,
+--ode-step teacher: the only way to learn a guided teacher's trajectories, so the default with a
+--guidance other than 1). Each stage writes OUT/consistency-1.pt and consistency-2.pt (one set of
+weights; 1 call, or 2 calls re-noised to --mid-timestep), drawn by sample.py with their own calls.
 The file reads in the order a run happens: its flags and their checks, building the run, the loss,
 the step, the checkpoints, the loop, main; what it shares with train.py (the data and its loader, the
 EMA, the states a resume puts back, the non-finite checks) lives in bookkeeping.py.
@@ -48,14 +58,35 @@ from reports import provenance
 GRID = 'trailing'  # students.student_timesteps: t_i = round(T i / N) - 1, i = N..0
 
 
+METHODS = ('progressive', 'consistency')
+ODE_STEPS = ('auto', 'data', 'teacher')
+
+
 @dataclass
 class DistillConfig:
     ckpt: str = flag('', 'the first teacher: a train.py checkpoint (its EMA weights); required for a fresh run')
+    method: str = flag('progressive', 'progressive: students of N0/2, ..., --down-to steps, each the next one\'s '
+                                      'teacher; consistency: one student of 1 and 2 calls (ECT)', choices=METHODS)
     teacher_steps: int = flag(64, 'N0, the DDIM steps of the first teacher; the first student takes N0/2 '
                                   '(docs/sampling.md: where DDIM has converged)', at_least=2, at_most=1000)
     down_to: int = flag(1, 'the last student\'s steps; --teacher-steps must halve to it', at_least=1)
-    steps_per_stage: int = flag(1000, 'optimizer steps per halving (the paper: 50,000 at batch 128 on CIFAR-10)',
-                                at_least=1)
+    steps_per_stage: int = flag(1000, 'optimizer steps per halving of the steps (progressive; the paper: 50,000 at '
+                                      'batch 128 on CIFAR-10) or of the gap (consistency)', at_least=1)
+    stages: int = flag(8, 'consistency: stages, the gap t - r halving at each (ECT: 8 on CIFAR-10)', at_least=1,
+                       at_most=30)
+    ode_step: str = flag('auto', 'consistency: where z_r comes from: data (the same image and noise at r: '
+                                 'consistency training, ECT) or teacher (its DDIM step from z_t: consistency '
+                                 'distillation); auto: teacher for a --guidance other than 1, else data',
+                         choices=ODE_STEPS)
+    huber_c: float = flag(0.0, 'consistency: the distance sqrt(||a - b||^2 + c^2) - c (0: the L2 distance, '
+                               'ECT\'s; iCT: 0.00054 sqrt(pixels))', at_least=0)
+    mid_timestep: int = flag(400, 'consistency: the 2-call student\'s second timestep, where its first image is '
+                                  're-noised to (400: best of 100, 222 (ECT\'s EDM sigma 0.821), 400 and 600 on '
+                                  'digits, docs/sampling.md)',
+                             at_least=0, at_most=998)
+    dropout: float | None = flag(None, 'consistency: the student\'s dropout, the same masks on both sides of the '
+                                       'loss (default: the teacher\'s; progressive students have none)',
+                                 at_least=0, below=1)
     prediction: str = flag('v', 'what the student predicts: v = alpha eps - sigma x, or x (never eps: at t = T-1 '
                                 'x from eps divides by alpha = 0.006); the teacher keeps its own',
                            choices=students.STUDENT_PREDICTIONS)
@@ -79,16 +110,28 @@ class DistillConfig:
     device: str = flag('auto', 'auto, cpu, cuda or cuda:N')
 
 
+# The flags of one method only: given with the other, refused.
+METHOD_FLAGS = {'progressive': ('teacher_steps', 'down_to'),
+                'consistency': ('stages', 'ode_step', 'huber_c', 'mid_timestep', 'dropout')}
 # Flags a resumed run may change: they move no number of the run.
 CHANGEABLE_ON_RESUME = ('log_every', 'ckpt_every', 'num_workers', 'device', 'out_dir', 'resume', 'data_dir')
 
 
 def stage_steps(cfg: DistillConfig) -> list:
-    """The students' step counts, one per stage: N0/2, N0/4, ..., --down-to."""
+    """The students' step counts, one per stage: N0/2, N0/4, ..., --down-to; a consistency run's stages
+    all train the one student of 1 (and 2) calls."""
+    if cfg.method == 'consistency':
+        return [1] * cfg.stages
     counts = [cfg.teacher_steps // 2]
     while counts[-1] > cfg.down_to:
         counts.append(counts[-1] // 2)
     return counts
+
+
+def made_students(cfg: DistillConfig) -> str:
+    if cfg.method == 'consistency':
+        return 'consistency students of 1 and 2 calls (consistency-1.pt, consistency-2.pt)'
+    return f'students of {", ".join(map(str, stage_steps(cfg)))} steps'
 
 
 # ----------------------------------------------------------------------------- the settings, checked first
@@ -98,6 +141,11 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
     fresh run reads the teacher (--ckpt), a resumed one (--resume) replays its checkpoint's settings,
     refusing another value of any that moves its numbers."""
     check_ranges(cfg)
+    other = METHODS[1 - METHODS.index(cfg.method)]
+    misplaced = sorted(given & set(METHOD_FLAGS[other]))
+    if misplaced:
+        raise ConfigError(f'--{misplaced[0].replace("_", "-")}: a flag of --method {other}, not of --method '
+                          f'{cfg.method}')
     ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
     if cfg.resume == 'auto':
         cfg = replace(cfg, resume=ckpt_path if os.path.isfile(ckpt_path) else '')
@@ -118,7 +166,7 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
     if os.path.isfile(ckpt_path):
         raise ConfigError(f'{ckpt_path} exists: continue that run with --resume {ckpt_path} (or --resume auto), '
                           f'or pass another --out-dir')
-    if glob.glob(os.path.join(glob.escape(cfg.out_dir), 'student-*.pt')):
+    if any(glob.glob(os.path.join(glob.escape(cfg.out_dir), f'{name}-*.pt')) for name in ('student', 'consistency')):
         raise ConfigError(f'--out-dir {cfg.out_dir} holds the students of another run: pass another --out-dir')
     if not cfg.ckpt:
         raise ConfigError('--ckpt is required: the teacher, a train.py checkpoint')
@@ -131,7 +179,7 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
                                                                                                        'cosine'):
         raise ConfigError(f'--ckpt {cfg.ckpt}: not a train.py checkpoint (its prediction or schedule)')
     halvings = math.log2(cfg.teacher_steps / cfg.down_to)
-    if cfg.down_to >= cfg.teacher_steps or halvings != int(halvings):
+    if cfg.method == 'progressive' and (cfg.down_to >= cfg.teacher_steps or halvings != int(halvings)):
         raise ConfigError(f'--teacher-steps {cfg.teacher_steps} does not halve to --down-to {cfg.down_to}: their '
                           f'ratio must be 2, 4, 8, ... (such as 64 and 1, or 96 and 3)')
     classes = ckpt['model_config'].get('num_classes', 0)
@@ -139,7 +187,12 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
         raise ConfigError(f'--guidance {cfg.guidance}: {cfg.ckpt} is an unconditional model (trained without '
                           f'--class-cond): it has no classes to guide towards')
     lr = cfg.lr if cfg.lr is not None else teacher['lr']
-    return replace(cfg, guidance=(1.0 if cfg.guidance is None else cfg.guidance) if classes else None, lr=lr,
+    guidance = (1.0 if cfg.guidance is None else cfg.guidance) if classes else None
+    ode_step = cfg.ode_step if cfg.ode_step != 'auto' else 'teacher' if guidance not in (None, 1.0) else 'data'
+    if cfg.method == 'consistency' and ode_step == 'data' and guidance not in (None, 1.0):
+        raise ConfigError(f'--ode-step data --guidance {guidance}: consistency training learns the data\'s own '
+                          f'trajectories, unguided; a guided teacher\'s are learnt with --ode-step teacher')
+    return replace(cfg, guidance=guidance, lr=lr, ode_step=ode_step if cfg.method == 'consistency' else cfg.ode_step,
                    batch_size=cfg.batch_size or teacher['batch_size'],
                    data_dir=cfg.data_dir if cfg.data_dir is not None else teacher['data_dir']), ckpt
 
@@ -193,7 +246,9 @@ def build_distillation(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -
     teacher = model_from_checkpoint({**ckpt, 'ema': ckpt['teacher']} if resuming else ckpt, 'ema', named_as)
     require_finite(teacher.state_dict(), f'{named_as}: its teacher weights', 'use an earlier checkpoint')
     teacher = teacher.to(device).requires_grad_(False)
-    config = replace(teacher.config, dropout=0.0)  # the paper's students have no dropout
+    # The paper's progressive students have no dropout; ECT keeps it (the same masks on both sides of its loss).
+    dropout = 0.0 if cfg.method == 'progressive' else teacher.config.dropout if cfg.dropout is None else cfg.dropout
+    config = replace(teacher.config, dropout=dropout)
     student = UNet(config).to(device)
     student.load_state_dict(teacher.state_dict())
     ema = copy.deepcopy(student).requires_grad_(False) if cfg.ema_decay > 0 else None
@@ -201,14 +256,12 @@ def build_distillation(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -
                                 teacher_config.get('shapes_count', 8192), labels=bool(config.num_classes))
     check_same_data({'data': ckpt.get('data')}, named_as, data_identity(dataset, bool(config.num_classes)),
                     cfg.data_dir)  # before the loader, which may copy the whole set to the device
-    try:
-        train_data = training_data(dataset, config.image_size, cfg.data_dir, cfg.batch_size, cfg.seed, device,
-                                   data.flipped_in_training(teacher_config['dataset']), workers=cfg.num_workers,
-                                   classes=bool(config.num_classes))
-    except data.DataError as error:
-        if 'batch size' not in str(error):
-            raise
-        raise ConfigError(f'--batch-size {cfg.batch_size}: {error}') from None
+    if cfg.batch_size > len(dataset):
+        raise ConfigError(f'--batch-size {cfg.batch_size} is larger than the data set ({len(dataset)} images): '
+                          f'pass a smaller one')
+    train_data = training_data(dataset, config.image_size, cfg.data_dir, cfg.batch_size, cfg.seed, device,
+                               data.flipped_in_training(teacher_config['dataset']), workers=cfg.num_workers,
+                               classes=bool(config.num_classes))
     torch.manual_seed(cfg.seed)
     sched = diffusion.make_schedule(1000, teacher_config['schedule']).to(device)
     optimizer = torch.optim.Adam(student.parameters(), lr=cfg.lr)
@@ -220,16 +273,20 @@ def build_distillation(cfg: DistillConfig, ckpt: dict, device, stop: StopFlag) -
 # ----------------------------------------------------------------------------- the loss
 
 @torch.no_grad()
-def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_mid: torch.Tensor,
-                      t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
-    """z'': two unclipped DDIM steps of the teacher (its output read as `prediction`), t -> t_mid ->
-    t_to, per image. Two teacher calls; the teacher may be diffusion.guided's (two halves each)."""
+def teacher_step(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_to: torch.Tensor,
+                 prediction: str = 'eps') -> torch.Tensor:
+    """One unclipped DDIM step of the teacher (its output read as `prediction`) from t to t_to, per
+    image; t_to = -1 lands on its x prediction. The teacher may be diffusion.guided's (two halves)."""
     alpha, sigma = students.alpha_sigma(sched, t, z)
     x, eps = students.x_and_eps(teacher(z, t).to(z.dtype), z, alpha, sigma, prediction)
-    alpha_mid, sigma_mid = students.alpha_sigma(sched, t_mid, z)
-    z_mid = students.ddim_to(x, eps, alpha_mid, sigma_mid)
-    x, eps = students.x_and_eps(teacher(z_mid, t_mid).to(z.dtype), z_mid, alpha_mid, sigma_mid, prediction)
     return students.ddim_to(x, eps, *students.alpha_sigma(sched, t_to, z))
+
+
+def teacher_two_steps(teacher, sched: diffusion.Schedule, z: torch.Tensor, t: torch.Tensor, t_mid: torch.Tensor,
+                      t_to: torch.Tensor, prediction: str = 'eps') -> torch.Tensor:
+    """z'': two unclipped DDIM steps of the teacher, t -> t_mid -> t_to, per image (two teacher calls)."""
+    z_mid = teacher_step(teacher, sched, z, t, t_mid, prediction)
+    return teacher_step(teacher, sched, z_mid, t_mid, t_to, prediction)
 
 
 def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Tensor, steps: int,
@@ -258,11 +315,38 @@ def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Ten
     return per_image if per_example else per_image.mean()
 
 
+def consistency_loss(student, sched: diffusion.Schedule, x0: torch.Tensor, stage: int, prediction: str = 'v',
+                     ode_step: typing.Callable = None, huber_c: float = 0.0, t: torch.Tensor = None,
+                     r: torch.Tensor = None, noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
+    """ECT's loss (Geng et al. 2025, eq. 8 with the weight 1 / (t - r) of its section 3): for (t, r) of the
+    stage (students.consistency_pair, unless given) and z_t = alpha_t x0 + sigma_t eps,
+    w d(f(z_t, t), stopgrad f(z_r, r)), with w = 1 / (s_t - s_r) in EDM's noise levels, d the pseudo-Huber
+    distance (students.pseudo_huber) and f the student read by students.consistency_fn (f = z at r = -1).
+    z_r = alpha_r x0 + sigma_r eps on the same noise (consistency training), or ode_step(z_t, t, r), the
+    teacher's step along its trajectory (consistency distillation). Both passes draw the same dropout."""
+    if t is None:
+        t, r = students.consistency_pair(sched, stage, x0.shape[0], x0.device)
+    if noise is None:
+        noise = torch.randn_like(x0)
+    (alpha, sigma), (alpha_r, sigma_r) = students.alpha_sigma(sched, t, x0), students.alpha_sigma(sched, r, x0)
+    z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
+    z_r = alpha_r * x0 + sigma_r * noise if ode_step is None else ode_step(z, t, r)
+    with students.replayed_randomness(x0.device):
+        f = students.consistency_fn(student(z, t).to(z.dtype), z, t, alpha, sigma, prediction)
+    with torch.no_grad():  # the network is not called at the clean end: f = z there
+        target = students.consistency_fn(student(z_r, r.clamp(min=0)).to(z.dtype), z_r, r, alpha_r, sigma_r,
+                                         prediction)
+    levels = torch.cat([torch.zeros(1, dtype=torch.float64), students.noise_levels(sched).cpu()]).to(x0)
+    per_image = students.pseudo_huber(f, target, huber_c) / (levels[t + 1] - levels[r + 1])
+    return per_image if per_example else per_image.mean()
+
+
 # ----------------------------------------------------------------------------- the step
 
 def stage_lr(within: int, cfg: DistillConfig) -> float:
-    """The paper's schedule per stage: no warm-up, linear decay from --lr to 0 at the stage's end."""
-    return cfg.lr * (1 - within / cfg.steps_per_stage)
+    """Progressive distillation's schedule per stage: no warm-up, linear decay from --lr to 0 at the
+    stage's end; ECT's: --lr throughout."""
+    return cfg.lr if cfg.method == 'consistency' else cfg.lr * (1 - within / cfg.steps_per_stage)
 
 
 def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
@@ -273,15 +357,21 @@ def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
     student, teacher = d.student, d.teacher
     # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
     # last student, which predicts what students predict and learnt the guided output in one pass.
-    teacher_prediction = d.teacher_config.get('prediction', 'eps') if stage == 0 else cfg.prediction
+    first = stage == 0 or cfg.method == 'consistency'
+    teacher_prediction = d.teacher_config.get('prediction', 'eps') if first else cfg.prediction
     if labels is not None:  # the student told the label
         student = lambda z, t: d.student(z, t, labels)  # noqa: E731
-        teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if stage == 0 else
+        teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if first else
                    (lambda z, t: d.teacher(z, t, labels)))
     for group in d.optimizer.param_groups:
         group['lr'] = stage_lr(within, cfg)
-    loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
-                             teacher_prediction)
+    if cfg.method == 'consistency':  # its teacher is the trained model throughout, guided where it is
+        step_of = None if cfg.ode_step == 'data' else (
+            lambda z, t, r: teacher_step(teacher, d.sched, z, t, r, teacher_prediction))
+        loss = consistency_loss(student, d.sched, x0, stage, cfg.prediction, step_of, cfg.huber_c)
+    else:
+        loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
+                                 teacher_prediction)
     loss.backward()
     if cfg.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(d.student.parameters(), cfg.grad_clip)
@@ -294,7 +384,10 @@ def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
 
 def begin_stage(d: Distillation, stage: int):
     """The last stage's student becomes the teacher (stage 0: the checkpoint's EMA already is), and the
-    new student starts as a copy of it, with a fresh optimizer and EMA."""
+    new student starts as a copy of it, with a fresh optimizer and EMA. A consistency run's one student
+    and optimizer go on through its stages: only the gap changes."""
+    if d.cfg.method == 'consistency' and stage > 0:
+        return
     if stage > 0:
         d.teacher.load_state_dict(d.sampled().state_dict())
     d.student.load_state_dict(d.teacher.state_dict())
@@ -305,28 +398,35 @@ def begin_stage(d: Distillation, stage: int):
 
 # ----------------------------------------------------------------------------- the checkpoints
 
-def make_student_record(d: Distillation, stage: int) -> dict:
-    """What sample.py draws a student with: its steps, grid and prediction, beside where it came from."""
-    steps = stage_steps(d.cfg)[stage]
-    return {'steps': steps, 'grid': GRID, 'timesteps': students.student_timesteps(steps, d.sched.num_steps),
-            'prediction': d.cfg.prediction, 'teacher_prediction': d.teacher_config.get('prediction', 'eps'),
+def make_student_record(d: Distillation, stage: int, calls: int = None) -> dict:
+    """What sample.py draws a student with: its method, steps (network calls), grid or timesteps and
+    prediction, beside where it came from. A consistency student's record is of `calls` (1 or 2)."""
+    if d.cfg.method == 'consistency':
+        timesteps = students.consistency_timesteps(calls, d.cfg.mid_timestep, d.sched.num_steps)
+        drawn = {'steps': calls, 'grid': 'consistency', 'timesteps': timesteps, 'ode_step': d.cfg.ode_step}
+    else:
+        steps = stage_steps(d.cfg)[stage]
+        drawn = {'steps': steps, 'grid': GRID, 'timesteps': students.student_timesteps(steps, d.sched.num_steps)}
+    return {'method': d.cfg.method, **drawn, 'prediction': d.cfg.prediction,
+            'teacher_prediction': d.teacher_config.get('prediction', 'eps'),
             'guidance': d.cfg.guidance, 'stage': stage, 'first_teacher': d.cfg.ckpt,
             'first_teacher_steps': d.cfg.teacher_steps, 'first_teacher_fingerprint': d.first_teacher}
 
 
-def student_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
-    """A student checkpoint (OUT/student-N.pt): read_checkpoint's format, its 'ema' the weights to
-    sample, 'student' its record, 'config' the first teacher's train.py config. train.py refuses it."""
+def student_state(d: Distillation, stage: int, step: int, seconds: float, calls: int = None) -> dict:
+    """A student checkpoint (OUT/student-N.pt, OUT/consistency-N.pt): read_checkpoint's format, its 'ema'
+    the weights to sample, 'student' its record, 'config' the first teacher's train.py config. train.py
+    refuses it."""
     return {'model': d.student.state_dict(), 'ema': d.sampled().state_dict(), 'config': d.teacher_config,
             'model_config': asdict(d.student.config), 'model_version': MODEL_VERSION,
-            'student': make_student_record(d, stage), 'distill': asdict(d.cfg), 'step': step, 'seconds': seconds,
+            'student': make_student_record(d, stage, calls), 'distill': asdict(d.cfg), 'step': step, 'seconds': seconds,
             'images_seen': step * d.cfg.batch_size}
 
 
 def run_state(d: Distillation, stage: int, step: int, seconds: float) -> dict:
     """OUT/distill.pt: the student checkpoint of the stage under way, and what an exact resume needs:
     its teacher, the optimizer, the RNG states and the data's identity (the data order is the step's)."""
-    return {**student_state(d, stage, step, seconds), 'teacher': d.teacher.state_dict(),
+    return {**student_state(d, stage, step, seconds, calls=1), 'teacher': d.teacher.state_dict(),
             'first_teacher_fingerprint': d.first_teacher,
             'teacher_config': d.teacher_config, 'optimizer': d.optimizer.state_dict(), 'rng': rng_states(d.device),
             'data': d.data_identity}
@@ -338,6 +438,20 @@ def restore_distillation(d: Distillation, ckpt: dict) -> int:
                                             (d.optimizer, ckpt.get('optimizer'))])
     set_rng_states(ckpt['rng'], d.device)
     return ckpt['step']
+
+
+def save_students(d: Distillation, stage: int, step: int, seconds: float, log: JsonLines):
+    """A stage's end: OUT/student-N.pt (progressive), or OUT/consistency-1.pt and -2.pt (the one student
+    so far, drawn in 1 and in 2 calls)."""
+    count, consistency = stage_steps(d.cfg)[stage], d.cfg.method == 'consistency'
+    paths = []
+    for calls in (1, 2) if consistency else (None,):
+        paths.append(os.path.join(d.cfg.out_dir, f'consistency-{calls}.pt' if consistency else f'student-{count}.pt'))
+        save_checkpoint(student_state(d, stage, step, seconds, calls), paths[-1])
+    log.write({'kind': 'stage', 'step': step, 'stage': stage, 'student_steps': count,
+               'teacher_steps': None if consistency else 2 * count, 'paths': paths, 'seconds': seconds})
+    made = ' and '.join(paths) + ('' if consistency else f' ({count} steps)')
+    tqdm.write(f'stage {stage + 1}/{len(stage_steps(d.cfg))}: {made}, {seconds:.0f} s so far')
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -358,7 +472,8 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
             if within == 0:
                 begin_stage(d, stage)
             if within == 0 or bar.n == bar.initial:
-                bar.set_description(f'distill {2 * counts[stage]}->{counts[stage]} steps', refresh=False)
+                bar.set_description(f'consistency stage {stage + 1}/{len(counts)}' if cfg.method == 'consistency' else
+                                    f'distill {2 * counts[stage]}->{counts[stage]} steps', refresh=False)
             loss_sum += distill_step(d, batch, step)
             step, unlogged = step + 1, unlogged + 1
             bar.update(1)
@@ -379,11 +494,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
                 raise NonFiniteLoss(f'the student\'s weights became non-finite at step {step}; stopping. '
                                     + last_good_note(last_good))
             if stage_done:
-                path = os.path.join(cfg.out_dir, f'student-{counts[stage]}.pt')
-                save_checkpoint(student_state(d, stage, step, seconds), path)
-                log.write({'kind': 'stage', 'step': step, 'stage': stage, 'student_steps': counts[stage],
-                           'teacher_steps': 2 * counts[stage], 'path': path, 'seconds': seconds})
-                tqdm.write(f'stage {stage + 1}/{len(counts)}: {path} ({counts[stage]} steps), {seconds:.0f} s so far')
+                save_students(d, stage, step, seconds, log)
             if must_save:
                 save_checkpoint(run_state(d, stage, step, seconds), ckpt_path)
                 last_good = f'{ckpt_path} (step {step})'
@@ -397,7 +508,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
         bar.close()
     log.write({'kind': 'done', 'step': step, 'seconds': seconds, 'images_seen': step * cfg.batch_size})
     print(f'done: {len(counts)} stages, {step} steps ({step * cfg.batch_size:,} images) in '
-          f'{seconds - start:.1f} s this process; students {", ".join(map(str, counts))} steps in {cfg.out_dir}')
+          f'{seconds - start:.1f} s this process; {made_students(cfg)} in {cfg.out_dir}')
     return {'step': step, 'stopped': None, 'checkpoint': ckpt_path}
 
 
@@ -414,8 +525,7 @@ def main(cfg: DistillConfig, given: set = None) -> dict:
         release = claim_folder(cfg.out_dir, '--out-dir', ('*.pt.tmp',), () if cfg.resume else ('metrics.jsonl',))
         step = restore_distillation(d, ckpt) if cfg.resume else 0
         if step >= d.total_steps:  # a finished run resumed: nothing to train, nothing to log again
-            print(f'{cfg.out_dir}: finished already ({step} steps; students of {", ".join(map(str, stage_steps(cfg)))} '
-                  f'steps): nothing to do')
+            print(f'{cfg.out_dir}: finished already ({step} steps; {made_students(cfg)}): nothing to do')
             return {'step': step, 'stopped': None, 'checkpoint': os.path.join(cfg.out_dir, 'distill.pt')}
         log = JsonLines(os.path.join(cfg.out_dir, 'metrics.jsonl'))
         log.drop_after(step)

@@ -18,6 +18,9 @@ from files import atomic_open
 from model import UNetConfig
 
 
+STUDENT_SAMPLERS = ('student', 'consistency')  # distill.py's students, each drawn only by its own
+
+
 @dataclass
 class Sampling:
     """What draw() reads: how many images, in which batches, with which sampler (sample.py's
@@ -34,6 +37,7 @@ class Sampling:
     amp: str = 'auto'
     label: int = -1  # a class-conditional model's class for every image; -1: each class in turn
     guidance: float = 1.0  # classifier-free guidance scale (diffusion.guided; 1: the conditional model alone)
+    mid_timestep: int | None = None  # a 2-call consistency student's second timestep (students.consistency_sample)
 
 
 def class_labels(first: int, count: int, num_classes: int, label: int = -1) -> torch.Tensor:
@@ -91,13 +95,16 @@ def draw_batch(model, sched: diffusion.Schedule, cfg: Sampling, device, start: i
     seed = int(np.random.SeedSequence([cfg.seed, start // cfg.batch_size]).generate_state(1)[0])
     generator = torch.Generator(device).manual_seed(seed)
     # A guided student learnt its scale (cfg.guidance names it): one pass of the conditional network.
-    guidance = 1.0 if cfg.sampler == 'student' else cfg.guidance
+    guidance = 1.0 if cfg.sampler in STUDENT_SAMPLERS else cfg.guidance
     model = conditioned(model, config, start, shape[0], cfg.label, guidance, device)
     with autocast(sampling_amp(cfg.amp, device), device):
         if cfg.sampler in peers.PEER_SOLVERS:  # diffusers' own solvers, as peers (few_step_study.py)
             x = peers.peer_sample(cfg.sampler, model, sched, shape, cfg.steps, generator, device, prediction=prediction)
         elif cfg.sampler == 'student':  # a distilled student: its own steps on its own grid
             x = students.student_sample(model, sched, shape, cfg.steps, generator, device, prediction=prediction)
+        elif cfg.sampler == 'consistency':  # a consistency student: 1 call, or 2 re-noised to its mid timestep
+            timesteps = students.consistency_timesteps(cfg.steps, cfg.mid_timestep, sched.num_steps)
+            x = students.consistency_sample(model, sched, shape, timesteps, generator, device, prediction=prediction)
         else:
             clip = None if cfg.clip == 'auto' else cfg.clip
             x = diffusion.run_sampler(cfg.sampler, model, sched, shape, cfg.steps, generator, device, cfg.eta,

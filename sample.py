@@ -32,7 +32,7 @@ from checkpoint import model_from_checkpoint, read_checkpoint, read_student_reco
 from cli import ConfigError, StopFlag, changed_fields, check_ranges, flag, given_fields, parse_config, run_main
 from devices import pick_device
 from diffusers_io import diffusers_scheduler, read_diffusers, save_diffusers
-from drawing import GRID_LIMIT, class_labels, draw, write_grid_png
+from drawing import GRID_LIMIT, STUDENT_SAMPLERS, class_labels, draw, write_grid_png
 from evaluation import (REFERENCE_SETS, DigitsJudge, bits_per_dim, check_inception_weights, conditioning_summary,
                         digits_summary, features_of, frechet_distance, inception_extractor, reference_statistics,
                         statistics)
@@ -69,6 +69,9 @@ class SampleConfig:
     guidance: typing.Optional[float] = flag(None, 'classifier-free guidance scale of a class-conditional model: '
                                                   'out_uncond + s (out_cond - out_uncond); 1 the conditional model '
                                                   'alone (the default), 0 the unconditional one', at_least=0)
+    mid_timestep: typing.Optional[int] = flag(None, 'a 2-call consistency student\'s second timestep, where its '
+                                                    'first image is re-noised to (default: the one it records)',
+                                              at_least=0, at_most=998)
     batch_size: int = flag(256, 'images per sampling batch', at_least=1)
     out: str = flag('samples', 'output folder')
     format: str = flag('png', 'png (one file per image) or npz (one uint8 NHWC array, key arr_0)',
@@ -201,16 +204,31 @@ def check_conditioning(cfg: SampleConfig, config: UNetConfig) -> SampleConfig:
 
 def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
     """A distill.py student draws with its own sampler: its steps on the grid it was trained on
-    (students.student_timesteps; sampler 'student'). Another --steps or --sampler, the flags of another
-    sampler, --guidance (it learnt one scale) and what needs all T steps are refused in one line."""
+    (students.student_timesteps; sampler 'student'), or a consistency student its 1 or 2 calls (sampler
+    'consistency'; --mid-timestep may move a 2-call one's second call). Another --steps or --sampler, the
+    flags of another sampler, --guidance (it learnt one scale) and what needs all T steps are refused in
+    one line."""
     steps, named = student['steps'], f"{cfg.ckpt} is a {student['steps']}-step student of distill.py"
+    consistency = student.get('method') == 'consistency'
+    if consistency:
+        named = f"{cfg.ckpt} is a {steps}-call consistency student of distill.py"
     if cfg.steps is not None and cfg.steps != steps:
         raise ConfigError(f'--steps {cfg.steps}: {named}, drawn with its own {steps} steps on the grid it was trained '
                           f'on; leave --steps out')
+    if cfg.mid_timestep is not None and not (consistency and steps == 2):
+        raise ConfigError(f'--mid-timestep {cfg.mid_timestep}: {named}; only a 2-call consistency student has a '
+                          f'second call to move')
+    if consistency:
+        if cfg.export_diffusers:
+            raise ConfigError(f'--export-diffusers: {named}; its sampler is not DDIM, which the export\'s '
+                              f'DDIMPipeline runs')
+        mid = student['timesteps'][-1] if cfg.mid_timestep is None and steps == 2 else cfg.mid_timestep
+        cfg = dataclasses.replace(cfg, mid_timestep=mid)
     learnt = f", guidance {student['guidance']} learnt" if student.get('guidance') is not None else ''
+    own = 'consistency sampling' if consistency else 'DDIM on its grid'
     for name in ('sampler', 'eta', 'spacing', 'variance', 'clip', 'guidance'):
         if name in given:
-            raise ConfigError(f'--{name} {getattr(cfg, name)}: {named}, drawn with its own sampler (DDIM on its grid'
+            raise ConfigError(f'--{name} {getattr(cfg, name)}: {named}, drawn with its own sampler ({own}'
                               f'{learnt}); leave --{name} out')
     if cfg.bpd:
         raise ConfigError(f'--bpd: {named}, a few-step sampler; this needs a model of every timestep (its teacher)')
@@ -219,7 +237,8 @@ def for_student(cfg: SampleConfig, given: set, student: dict) -> SampleConfig:
         raise ConfigError(f'--export-diffusers: {named}; diffusers\' DDIMScheduler steps by 1000 // {steps} from t = '
                           f'999, which is not its grid (a student of 1, 2, 4 or 8 steps is)')
     # --guidance names the scale it learnt (recorded and reported); drawing.draw_batch draws it in one pass
-    return dataclasses.replace(cfg, sampler='student', steps=steps, guidance=student.get('guidance'))
+    return dataclasses.replace(cfg, sampler='consistency' if consistency else 'student', steps=steps,
+                               guidance=student.get('guidance'))
 
 
 def load(cfg: SampleConfig, given: set, device) -> tuple:
@@ -229,6 +248,9 @@ def load(cfg: SampleConfig, given: set, device) -> tuple:
     student = read_student_record(cfg.ckpt)
     if student is not None:
         cfg = for_student(cfg, given, student)
+    elif cfg.mid_timestep is not None:
+        raise ConfigError(f'--mid-timestep {cfg.mid_timestep}: {cfg.ckpt} is not a consistency student of distill.py; '
+                          f'only a 2-call one has a second call to move')
     model, config, sched, prediction = load_model(cfg.ckpt, cfg.weights, device, student is not None)
     return validate(cfg, config, sched), model, config, sched, prediction, student
 
@@ -305,7 +327,7 @@ def speed_of(drawn: dict, cfg: SampleConfig, config: UNetConfig, sched: diffusio
     steps = sched.num_steps if cfg.sampler == 'ddpm' else cfg.steps
     if not drawn['images'] or drawn['seconds'] <= 0:
         return {}
-    guided = config.num_classes and cfg.guidance not in (0, 1) and cfg.sampler != 'student'
+    guided = config.num_classes and cfg.guidance not in (0, 1) and cfg.sampler not in STUDENT_SAMPLERS
     flops = count_flops(config)['forward'] * steps * drawn['images'] * (2 if guided else 1)
     speed = {'img_per_s': drawn['images'] / drawn['seconds'], 'tflops': flops / drawn['seconds'] / 1e12}
     print(f"{drawn['images']} images ({cfg.sampler}, {steps} steps) in {drawn['seconds']:.1f}s: "

@@ -31,8 +31,9 @@ def sample_settings(cfg) -> dict:
         with open(path, 'rb') as f:
             for block in iter(lambda: f.read(1 << 24), b''):
                 digest.update(block)
+    mid = {} if getattr(cfg, 'mid_timestep', None) is None else {'mid_timestep': cfg.mid_timestep}  # consistency-2
     return {'ckpt': os.path.realpath(cfg.ckpt), 'ckpt_sha256': digest.hexdigest(),
-            **{name: getattr(cfg, name) for name in SETTINGS}}
+            **{name: getattr(cfg, name) for name in SETTINGS}, **mid}
 
 
 def batch_paths(cfg, index: int) -> list:

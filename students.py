@@ -1,5 +1,8 @@
-"""The few-step students' maths: progressive distillation's grid, targets and sampler (distill.py
-trains the students, sample.py draws them). Built on diffusion.py's schedule and parameterisations."""
+"""The few-step students' maths: progressive distillation's grid, targets and sampler, and consistency
+students' noise levels, gap schedule, boundary condition and sampler (distill.py trains the students,
+sample.py draws them). Built on diffusion.py's schedule and parameterisations."""
+import contextlib
+
 import torch
 from tqdm import tqdm
 
@@ -85,4 +88,93 @@ def student_sample(model, sched: Schedule, shape, steps: int, generator: torch.G
         alpha, sigma = alpha_sigma(sched, t, z)
         x0, eps = x_and_eps(model(z, t).to(z.dtype), z, alpha, sigma, prediction)
         z = ddim_to(x0, eps, *alpha_sigma(sched, torch.full_like(t, to), z))
+    return z.clamp(-1, 1)
+
+
+# Consistency models (Song et al. 2023, "Consistency Models"), tuned from a trained diffusion model as ECT
+# does (Geng et al. 2025, "Consistency Models Made Easy"; their code: locuslab/ect, training/loss.py). The
+# student f(z_t, t) maps any point of a probability-flow trajectory to its clean end. ECT works in EDM's
+# noise level s = sigma / alpha: z_t / alpha_t = x + s_t eps, so a VP timestep t is the level s_t, and the
+# clean endpoint (timestep -1) is s = 0.
+
+ECT_Q, ECT_K, ECT_B = 2.0, 8.0, 1.0  # the gap's halving factor and the sigmoid's k, b (ECT's defaults, ct_train.py)
+ECT_P_MEAN, ECT_P_STD = -1.1, 2.0  # ln s ~ N(P_mean, P_std^2), the levels the loss visits (ECT's, EDM's P_mean)
+
+
+def noise_levels(sched: Schedule) -> torch.Tensor:
+    """s_t = sigma_t / alpha_t for t = 0..T-1, increasing (float64): EDM's sigma of each VP timestep."""
+    return sched.sqrt_one_minus_alphas_cumprod / sched.sqrt_alphas_cumprod
+
+
+def ect_gap(s: torch.Tensor, stage: int, q: float = ECT_Q, k: float = ECT_K, b: float = ECT_B) -> torch.Tensor:
+    """ECT's r(t) at stage `stage` (0, 1, ...): r = s (1 - (1 + k sigmoid(-b s)) / q^(stage + 1)), clamped
+    at 0 (their t_to_r_sigmoid): at stage 0 r is the clean end wherever 1 + k sigmoid(-b s) >= q (small s),
+    so the first stage is mostly denoising; each stage shrinks the relative gap (s - r) / s by q."""
+    return (s * (1 - (1 + k * torch.sigmoid(-b * s)) / q ** (stage + 1))).clamp(min=0)
+
+
+def level_timestep(levels: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """The largest timestep whose level is at most s; -1 (the clean end) below the first level."""
+    return torch.searchsorted(levels.to(s.device, s.dtype), s.contiguous(), right=True) - 1
+
+
+def consistency_pair(sched: Schedule, stage: int, batch: int, device, generator: torch.Generator = None) -> tuple:
+    """(t, r) per image: s ~ lognormal(ECT_P_MEAN, ECT_P_STD^2) taken to the timestep nearest in ln s
+    (clamped to 0..T-1), r the timestep at or below ect_gap(s_t), which is under s_t, so r < t: the VP
+    grid's discrete form of ECT's pair."""
+    levels = noise_levels(sched).to(device)
+    log_s = ECT_P_MEAN + ECT_P_STD * torch.randn(batch, generator=generator, device=device, dtype=torch.float64)
+    t = (levels.log()[None, :] - log_s[:, None]).abs().argmin(1)
+    return t, level_timestep(levels, ect_gap(levels[t], stage))
+
+
+def consistency_fn(output: torch.Tensor, z: torch.Tensor, t: torch.Tensor, alpha, sigma, prediction: str):
+    """f(z_t, t): the x that the network's output stands for (x_and_eps; for 'v', x = alpha z - sigma v,
+    EDM's c_skip = 1 / (1 + s^2) and c_out = -s / sqrt(1 + s^2) with sigma_data = 1, in z / alpha), and z
+    itself at the clean end t = -1: the boundary condition f(x, t_min) = x holds exactly, whatever the
+    network outputs there."""
+    x, _ = x_and_eps(output, z, alpha, sigma, prediction)
+    return torch.where(t.reshape(-1, *([1] * (z.dim() - 1))) < 0, z, x)
+
+
+def pseudo_huber(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
+    """Per image sqrt(||a - b||^2 + c^2) - c (Song & Dhariwal 2024, iCT; c = 0: the L2 distance, ECT's)."""
+    return ((a - b).square().flatten(1).sum(1) + c ** 2).sqrt() - c
+
+
+@contextlib.contextmanager
+def replayed_randomness(device):
+    """Runs the block, then puts the random state back as it was before it, so that a second pass draws
+    the same dropout masks (ECT's shared dropout between the two sides of the loss)."""
+    cuda = torch.device(device).type == 'cuda'
+    cpu_state = torch.random.get_rng_state()
+    cuda_state = torch.cuda.get_rng_state(device) if cuda else None
+    yield
+    torch.random.set_rng_state(cpu_state)
+    if cuda:
+        torch.cuda.set_rng_state(cuda_state, device)
+
+
+def consistency_timesteps(steps: int, mid: int, num_steps: int = 1000) -> list:
+    """The timesteps a consistency student is called at: T-1, then (two calls) `mid`."""
+    if steps not in (1, 2):
+        raise ValueError(f'a consistency student draws in 1 or 2 calls, got {steps}')
+    if steps == 2 and not 0 <= mid < num_steps - 1:
+        raise ValueError(f'the second call\'s timestep must be in 0..{num_steps - 2}, got {mid}')
+    return [num_steps - 1] + ([mid] if steps == 2 else [])
+
+
+@torch.no_grad()
+def consistency_sample(model, sched: Schedule, shape, timesteps: list, generator: torch.Generator = None,
+                       device='cpu', dtype=torch.float32, prediction: str = 'v', x: torch.Tensor = None):
+    """Multistep consistency sampling (Song et al. 2023, Algorithm 1): x = f(z, T-1) from z ~ N(0, I) (or
+    `x`); then at each further timestep m, z = alpha_m x + sigma_m eps with fresh noise, x = f(z, m). One
+    call per timestep. Returns images clamped to [-1, 1]."""
+    z = standard_normal(shape, generator, device, dtype) if x is None else x
+    for i, step in enumerate(timesteps):
+        t = torch.full((shape[0],), step, device=device, dtype=torch.long)
+        alpha, sigma = alpha_sigma(sched, t, z)
+        if i > 0:
+            z = alpha * z + sigma * standard_normal(shape, generator, device, dtype)
+        z = consistency_fn(model(z, t).to(z.dtype), z, t, alpha, sigma, prediction)
     return z.clamp(-1, 1)

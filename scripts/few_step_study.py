@@ -52,13 +52,16 @@ SCORE = evaluation.score_key('digits')  # the class FD (docs/sampling.md, "A sco
 @dataclass
 class StudyConfig:
     teacher: str = flag('', 'the unconditional teacher: a train.py digits checkpoint (required)')
-    students: str = flag('', 'its students: a distill.py --out-dir (its student-N.pt) or checkpoints, comma-separated '
+    students: str = flag('', 'its students: distill.py --out-dirs (their student-N.pt and consistency-N.pt) or '
+                             'checkpoints, comma-separated '
                              '(none: the teacher\'s solvers alone)')
     cond_teacher: str = flag('', 'a class-conditional teacher (train.py --class-cond), optional')
     cond_students: str = flag('', 'its guided students, as --students')
     guidance: float | None = flag(None, 'the class-conditional teacher\'s scale (default: the one its students '
                                         'learnt)', at_least=0)
     calls: str = flag('1,2,4,8,20', 'model calls of the teacher\'s solvers')
+    mid_timesteps: str = flag('', '2-call consistency students\' second timesteps to try, comma-separated, each a '
+                                  'row "consistency-2@M" (default: each student\'s own)')
     only: str = flag('', 'score and time one family alone (--teacher still sets the judge\'s image size)',
                      choices=('', 'unconditional', 'guided'))
     solvers: str = flag(','.join(SOLVERS), 'the teacher\'s solvers, comma-separated: ours as SAMPLER-GRID, diffusers\' '
@@ -92,14 +95,37 @@ def main(argv=None) -> int:
 # ----------------------------------------------------------------------------- models
 
 def student_paths(text: str) -> list:
-    """A distill.py output folder's student-N.pt, or the comma-separated files given."""
-    if os.path.isdir(text):
-        return sorted(glob.glob(os.path.join(text, 'student-*.pt')))
-    return [part for part in text.split(',') if part]
+    """The comma-separated files given, each distill.py output folder among them as its student-N.pt and
+    consistency-N.pt."""
+    paths = []
+    for part in (part for part in text.split(',') if part):
+        paths += sorted(glob.glob(os.path.join(glob.escape(part), 'student-*.pt')) + glob.glob(os.path.join(
+            glob.escape(part), 'consistency-*.pt'))) if os.path.isdir(part) else [part]
+    return paths
+
+
+def student_name(record: dict) -> str:
+    """'student-N' (progressive distillation) or 'consistency-N', N its calls."""
+    return f"{'consistency' if record.get('method') == 'consistency' else 'student'}-{record['steps']}"
+
+
+def student_runs(family: dict, mids: list = ()) -> list:
+    """(name, sampler, calls, (model, config, schedule, prediction), Sampling's other fields) per student; a
+    2-call consistency student once per timestep of `mids` (as NAME@M), or at its own second timestep."""
+    runs = []
+    for name, (*model, record, _) in family['students'].items():
+        if record.get('method') != 'consistency':
+            runs.append((name, 'student', record['steps'], tuple(model), {}))
+        elif record['steps'] == 1:
+            runs.append((name, 'consistency', 1, tuple(model), {}))
+        else:
+            runs += [(f'{name}@{mid}' if mids else name, 'consistency', 2, tuple(model), {'mid_timestep': mid})
+                     for mid in mids or [record['timesteps'][-1]]]
+    return runs
 
 
 def load_family(teacher_path: str, students_text: str, device, flag_name: str, students_flag: str) -> dict:
-    """{'teacher': (model, config, sched, prediction), 'students': {steps: (model, ..., record, path)}, ...},
+    """{'teacher': (model, config, sched, prediction), 'students': {name: (model, ..., record, path)}, ...},
     each student checked to be a student of this teacher: its record's fingerprint of the teacher's
     weights (or, for a student made before fingerprints, the teacher's train.py settings)."""
     teacher = sample.load_model(teacher_path, 'ema', device, named_as=f'--{flag_name} {teacher_path}')
@@ -111,9 +137,9 @@ def load_family(teacher_path: str, students_text: str, device, flag_name: str, s
         record = read_student_record(path)
         if record is None:
             raise ConfigError(f'--{students_flag}: {path} is not a distill.py student (OUT/student-N.pt)')
-        if record['steps'] in students:
-            raise ConfigError(f'--{students_flag}: {students[record["steps"]][5]} and {path} both take '
-                              f'{record["steps"]} steps; give one student per number of steps')
+        if student_name(record) in students:
+            raise ConfigError(f'--{students_flag}: {students[student_name(record)][5]} and {path} are both '
+                              f'{student_name(record)}; give one student of a kind per number of calls')
         if record.get('first_teacher_fingerprint'):
             fingerprint = fingerprint or weights_fingerprint(teacher[0].state_dict())
             ours = record['first_teacher_fingerprint'] == fingerprint
@@ -123,12 +149,13 @@ def load_family(teacher_path: str, students_text: str, device, flag_name: str, s
         if not ours:
             raise ConfigError(f'--{students_flag}: {path} was distilled from another model than --{flag_name} '
                               f'{teacher_path}')
-        students[record['steps']] = (*sample.load_model(path, 'ema', device, student=True,
+        students[student_name(record)] = (*sample.load_model(path, 'ema', device, student=True,
                                                         named_as=f'--{students_flag} {path}'), record, path)
     if students_text and not students:
         raise ConfigError(f'--{students_flag}: no student-N.pt in {students_text!r}: pass distill.py\'s --out-dir or '
                           f'the files')
-    return {'teacher': teacher, 'students': dict(sorted(students.items(), reverse=True)), 'path': teacher_path}
+    order = sorted(students, key=lambda name: (name.startswith('consistency'), -students[name][4]['steps']))
+    return {'teacher': teacher, 'students': {name: students[name] for name in order}, 'path': teacher_path}
 
 
 def made_by(path: str) -> dict:
@@ -146,7 +173,7 @@ def made_by(path: str) -> dict:
 
 def solver_sampling(solver: str, calls: int) -> dict:
     """Sampling's fields for a solver name of SOLVERS: ours as SAMPLER-GRID, a peer by its own name."""
-    if solver in PEER_SOLVERS or solver in ('student', 'ddpm'):
+    if solver in PEER_SOLVERS or solver in ('student', 'consistency', 'ddpm'):
         return {'sampler': solver, 'steps': calls}
     sampler, _, spacing = solver.rpartition('-')
     return {'sampler': sampler, 'spacing': spacing, 'steps': calls}
@@ -157,14 +184,14 @@ def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, so
     """Appends to `rows` one row per (model, solver, calls, seed): the digits score of --num samples, and
     for a class-conditional family the share judged as the digit asked; write() after each seed."""
     config = family['teacher'][1]
-    runs = [('teacher', solver, n, family['teacher']) for solver in solvers for n in calls] + \
-           [(f'student-{n}', 'student', n, family['students'][n][:4]) for n in family['students']]
+    runs = [('teacher', solver, n, family['teacher'], {}) for solver in solvers for n in calls] + student_runs(
+        family, int_list(args.mid_timesteps, '--mid-timesteps') if args.mid_timesteps else ())
     asked = class_labels(0, args.num, 10)
     for seed in seeds:  # the 1000-call reference on the first seed only: it costs as much as all the rest
-        reference = [('teacher', 'ddpm', 1000, family['teacher'])] if args.ddpm and seed == seeds[0] else []
-        for name, solver, n, (net, net_config, net_sched, net_prediction) in runs + reference:
+        reference = [('teacher', 'ddpm', 1000, family['teacher'], {})] if args.ddpm and seed == seeds[0] else []
+        for name, solver, n, (net, net_config, net_sched, net_prediction), more in runs + reference:
             sampling = Sampling(num=args.num, batch_size=args.batch_size, seed=seed, **solver_sampling(solver, n),
-                                guidance=1.0 if name != 'teacher' else (guidance or 1.0))
+                                guidance=1.0 if name != 'teacher' else (guidance or 1.0), **more)
             with stop.interruptible():
                 images = torch.cat(list(draw(net, net_config, net_sched, sampling, device, progress=False,
                                              prediction=net_prediction)))
@@ -243,15 +270,14 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
     """img/s of DPM-Solver++ at 20 calls (guided: both halves each) and of each student, at batch 1 (latency:
     --latency-images one at a time) and at --speed-batch (throughput), eager and with --compile compiled; the median
     of --speed-repeats timed runs after an untimed one."""
-    candidates = [('teacher', 'dpm++', 20, family['teacher'])] + [
-        (f'student-{n}', 'student', n, family['students'][n][:4]) for n in family['students']]
+    candidates = [('teacher', 'dpm++', 20, family['teacher'], {})] + student_runs(family)
     for compiled in (False, True) if args.compile else (False,):
-        for name, sampler, n, (net, config, sched, prediction) in candidates:
+        for name, sampler, n, (net, config, sched, prediction), more in candidates:
             runner = torch.compile(net) if compiled else net
             for batch in (1, args.speed_batch):
                 count = args.latency_images if batch == 1 else batch
                 sampling = Sampling(num=count, batch_size=batch, sampler=sampler, steps=n, seed=0,
-                                    guidance=1.0 if name != 'teacher' else (guidance or 1.0))
+                                    guidance=1.0 if name != 'teacher' else (guidance or 1.0), **more)
                 times = []
                 for repeat in range(1 + (1 if args.quick else args.speed_repeats)):
                     with stop.interruptible():
@@ -275,6 +301,9 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
 def study(args: StudyConfig):
     check_ranges(args)
     calls, seeds = int_list(args.calls, '--calls'), parse_seeds(args.seeds)
+    mids = int_list(args.mid_timesteps, '--mid-timesteps') if args.mid_timesteps else []
+    if any(not 0 <= mid <= 998 for mid in mids):
+        raise ConfigError(f'--mid-timesteps {args.mid_timesteps}: each a timestep in 0..998')
     solvers = [part for part in args.solvers.split(',') if part]
     unknown = [name for name in solvers if name not in SOLVERS]
     if unknown or not solvers:
@@ -425,6 +454,10 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
         result['plotted'] = scored
 
 
+STUDENT_STYLES = {'student': ('D-', 'black', 'students (progressive distillation)'),
+                  'consistency': ('s-', 'tab:red', 'consistency students (ECT)')}
+
+
 def plot(summaries: dict, judge, path: str):
     plt = pyplot()
     fig, axes = plt.subplots(1, len(summaries), figsize=(6.5 * len(summaries), 4.5), squeeze=False)
@@ -433,10 +466,10 @@ def plot(summaries: dict, judge, path: str):
             points = sorted((s['evaluations'], s['fd_mean'], s['fd_sd'] or 0) for s in summary
                             if s['sampler'] == solver)
             x, y, e = zip(*points)
-            style = 'D-' if solver == 'student' else ('--' if solver in PEER_SOLVERS else '-')
-            ax.errorbar(x, y, yerr=e if solver == 'student' else None, fmt=style, capsize=3, lw=2.5 if solver ==
-                        'student' else 1, color='black' if solver == 'student' else None,
-                        label='students (distilled)' if solver == 'student' else solver)
+            student = STUDENT_STYLES.get(solver)
+            style = student[0] if student else ('--' if solver in PEER_SOLVERS else '-')
+            ax.errorbar(x, y, yerr=e if student else None, fmt=style, capsize=3, lw=2.5 if student else 1,
+                        color=student[1] if student else None, label=student[2] if student else solver)
         ddpm = [s for s in summary if s['sampler'] == 'ddpm']
         if ddpm:
             ax.axhline(ddpm[0]['fd_mean'], color='grey', ls=':', label='teacher, DDPM 1000 calls')
@@ -449,8 +482,8 @@ def plot(summaries: dict, judge, path: str):
 
 
 def picture(family: dict, path: str, count: int = 10):
-    """The students at 1, 2 and 4 calls beside the teacher's DPM-Solver++ at 20, a row each, from the same
-    noise (seed 0: every sampler's first batch draws the same x_T)."""
+    """The students at 1, 2 and 4 calls (progressive, then consistency) beside the teacher's DPM-Solver++ at
+    20, a row each, from the same noise (seed 0: every sampler's first batch draws the same x_T)."""
     import torch.nn.functional as F
     from PIL import Image
     from torchvision.utils import make_grid
@@ -458,18 +491,18 @@ def picture(family: dict, path: str, count: int = 10):
     device = next(model.parameters()).device
     teacher_at_20 = Sampling(num=count, batch_size=count, sampler='dpm++', steps=20)
     rows = [draw_batch(model, sched.to(device), teacher_at_20, device, 0, config, prediction)]
-    for n in (4, 2, 1):
-        if n in family['students']:
-            net, net_config, net_sched, net_prediction = family['students'][n][:4]
-            rows.append(draw_batch(net, net_sched.to(device), Sampling(num=count, batch_size=count, sampler='student',
-                                                                      steps=n), device, 0, net_config, net_prediction))
+    drawn = [run for run in student_runs(family) if run[2] in (4, 2, 1)]
+    for name, sampler, n, (net, net_config, net_sched, net_prediction), more in drawn:
+        rows.append(draw_batch(net, net_sched.to(device), Sampling(num=count, batch_size=count, sampler=sampler,
+                                                                  steps=n, **more), device, 0, net_config,
+                               net_prediction))
     grid = make_grid(torch.cat(rows).float().cpu() / 255, nrow=count, padding=1, pad_value=0.5)
     pixels = (F.interpolate(grid[None], scale_factor=4, mode='nearest')[0].permute(1, 2, 0) * 255).round().byte()
     check_writable(os.path.dirname(path) or '.', '--picture')
     with atomic_open(path, 'wb') as f:
         Image.fromarray(pixels.numpy()).save(f, format='png')
-    print(f"wrote {path}: rows the teacher's DPM-Solver++ at 20 calls, then the students at "
-          f"{', '.join(str(n) for n in (4, 2, 1) if n in family['students'])} calls, from the same noise")
+    print(f"wrote {path}: rows the teacher's DPM-Solver++ at 20 calls, then {', '.join(run[0] for run in drawn)}, "
+          f"from the same noise")
 
 
 if __name__ == '__main__':

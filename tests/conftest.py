@@ -59,3 +59,17 @@ def digits_judge(digits_cache):
     """The digits judge at 16x16, its classifier in the shared cache."""
     import evaluation
     return evaluation.DigitsJudge(16, digits_cache)
+
+
+@pytest.fixture(scope='session')
+def teachers(tmp_path_factory, digits_cache):
+    """Tiny 8x8 digits teachers of train.py: unconditional and class-conditional (2 steps each)."""
+    import train
+    from helpers import train_args
+    made = {}
+    for name, extra in (('uncond', ()), ('cond', ('--class-cond',))):
+        tmp = tmp_path_factory.mktemp(f'teacher-{name}')
+        assert train.cli(train_args(tmp, '--dataset', 'digits', '--image-size', '8', '--steps', '2',
+                                    '--sample-every', '0', '--data-dir', digits_cache, *extra)) == 0
+        made[name] = str(tmp / 'run' / 'ckpt.pt')
+    return made

@@ -8,6 +8,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+import diffusion
+import students
+
 # Why a proof against diffusers is skipped, as the end of a test run reports it (pytest -rs).
 NO_DIFFUSERS = 'a proof against diffusers: diffusers is not installed (pip install -r requirements-dev.txt)'
 
@@ -90,3 +93,51 @@ def signal_on_call(fn, n: int, sig=signal.SIGTERM):
             os.kill(os.getpid(), sig)
         return fn(*args, **kwargs)
     return wrapped
+
+
+# The Gaussian closed form of the few-step tests (test_distill.py, test_consistency.py): data x0 ~ N(MU, diag(S^2)).
+GAUSS_SCHED = diffusion.make_schedule(1000)
+MU, S = torch.tensor([0.3, -0.2], dtype=torch.float64), torch.tensor([0.25, 0.4], dtype=torch.float64)
+
+
+def exact_eps(z, t):
+    """The exact eps-denoiser of x0 ~ N(MU, diag(S^2)): E[x0 | z_t] = MU + alpha S^2 / (alpha^2 S^2 + sigma^2)
+    (z_t - alpha MU), and eps = (z_t - alpha E[x0 | z_t]) / sigma."""
+    mu, s = MU.to(z.dtype), S.to(z.dtype)
+    alpha, sigma = students.alpha_sigma(GAUSS_SCHED, t, z)
+    return (z - alpha * (mu + alpha * s ** 2 / (alpha ** 2 * s ** 2 + sigma ** 2) * (z - alpha * mu))) / sigma
+
+
+def exact_map(z, t, t_to, scale=1.0):
+    """The probability-flow ODE from t to t_to for that data (with `scale`: for data of S * scale): each
+    coordinate's marginal N(alpha mu, alpha^2 s^2 + sigma^2) carried onto the next by the monotone affine map."""
+    mu, s = MU.to(z.dtype), scale * S.to(z.dtype)
+    alpha, sigma = students.alpha_sigma(GAUSS_SCHED, t, z)
+    alpha_to, sigma_to = students.alpha_sigma(GAUSS_SCHED, t_to, z)
+    return alpha_to * mu + ((alpha_to ** 2 * s ** 2 + sigma_to ** 2) / (alpha ** 2 * s ** 2 + sigma ** 2)).sqrt() * (
+        z - alpha * mu)
+
+
+def sigterm_after_steps(step_fn, steps: set):
+    """distill.distill_step that sends SIGTERM to this process once each step of `steps` has been taken."""
+    pending = set(steps)
+
+    def step_then_sigterm(d, batch, step):
+        loss = step_fn(d, batch, step)
+        if step + 1 in pending:
+            pending.discard(step + 1)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+    return step_then_sigterm
+
+
+def spy_on_unet(monkeypatch, record) -> list:
+    """Every UNet call appends record(x, t, labels) to the list returned (and runs as before)."""
+    import model
+    seen, forward = [], model.UNet.forward
+
+    def spy(self, x, t, labels=None):
+        seen.append(record(x, t, labels))
+        return forward(self, x, t, labels)
+    monkeypatch.setattr(model.UNet, 'forward', spy)
+    return seen

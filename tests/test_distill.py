@@ -2,11 +2,10 @@
 teacher's two DDIM steps, a perfect teacher on Gaussian data against the exact probability-flow map,
 the grid, exact resume across a stage's end, the refusals, and sample.py drawing a student."""
 import os
-import signal
 
 import pytest
 import torch
-from helpers import signal_on_call, train_args
+from helpers import MU, S, exact_eps, exact_map, sigterm_after_steps, signal_on_call, train_args
 
 import diffusion
 import distill
@@ -22,18 +21,6 @@ def distill_args(teacher, out, *extra):
     """Two stages of three steps (a teacher of 4 steps, students of 2 and 1), batch 8, 8x8 digits."""
     return ['--ckpt', teacher, '--teacher-steps', '4', '--steps-per-stage', '3', '--batch-size', '8',
             '--num-workers', '0', '--log-every', '1', '--device', 'cpu', '--out-dir', str(out), *extra]
-
-
-@pytest.fixture(scope='module')
-def teachers(tmp_path_factory, digits_cache):
-    """Tiny 8x8 digits teachers of train.py: unconditional and class-conditional (2 steps each)."""
-    made = {}
-    for name, extra in (('uncond', ()), ('cond', ('--class-cond',))):
-        tmp = tmp_path_factory.mktemp(f'teacher-{name}')
-        assert train.cli(train_args(tmp, '--dataset', 'digits', '--image-size', '8', '--steps', '2',
-                                    '--sample-every', '0', '--data-dir', digits_cache, *extra)) == 0
-        made[name] = str(tmp / 'run' / 'ckpt.pt')
-    return made
 
 
 @pytest.fixture(scope='module')
@@ -156,27 +143,6 @@ def test_training_and_sampling_call_the_student_on_one_grid(monkeypatch):
 
 # ----------------------------------------------------------------------------- a perfect teacher on Gaussian data
 
-MU, S = torch.tensor([0.3, -0.2], dtype=torch.float64), torch.tensor([0.25, 0.4], dtype=torch.float64)
-
-
-def exact_eps(z, t):
-    """The exact eps-denoiser of x0 ~ N(MU, diag(S^2)): E[x0 | z_t] = MU + alpha S^2 / (alpha^2 S^2 + sigma^2)
-    (z_t - alpha MU), and eps = (z_t - alpha E[x0 | z_t]) / sigma."""
-    mu, s = MU.to(z.dtype), S.to(z.dtype)
-    alpha, sigma = students.alpha_sigma(SCHED, t, z)
-    return (z - alpha * (mu + alpha * s ** 2 / (alpha ** 2 * s ** 2 + sigma ** 2) * (z - alpha * mu))) / sigma
-
-
-def exact_map(z, t, t_to, scale=1.0):
-    """The probability-flow ODE from t to t_to for that data (with `scale`: for data of S * scale): each
-    coordinate's marginal N(alpha mu, alpha^2 s^2 + sigma^2) carried onto the next by the monotone affine map."""
-    mu, s = MU.to(z.dtype), scale * S.to(z.dtype)
-    alpha, sigma = students.alpha_sigma(SCHED, t, z)
-    alpha_to, sigma_to = students.alpha_sigma(SCHED, t_to, z)
-    return alpha_to * mu + ((alpha_to ** 2 * s ** 2 + sigma_to ** 2) / (alpha ** 2 * s ** 2 + sigma ** 2)).sqrt() * (
-        z - alpha * mu)
-
-
 def rms(a, b):
     return (a - b).square().mean().sqrt().item()
 
@@ -261,15 +227,8 @@ def model_copy(net):
 # ----------------------------------------------------------------------------- distill.py
 
 def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, whole, tmp_path, monkeypatch):
-    step_once, stops = distill.distill_step, {2, 3}  # stage 0 has steps 1-3: mid-stage, then at its end
-
-    def step_then_sigterm(d, batch, step):
-        loss = step_once(d, batch, step)
-        if step + 1 in stops:
-            stops.discard(step + 1)
-            os.kill(os.getpid(), signal.SIGTERM)
-        return loss
-    monkeypatch.setattr(distill, 'distill_step', step_then_sigterm)
+    # stage 0 has steps 1-3: a stop mid-stage, then at its end
+    monkeypatch.setattr(distill, 'distill_step', sigterm_after_steps(distill.distill_step, {2, 3}))
     out = tmp_path / 'split'
     assert distill.cli(distill_args(teachers['uncond'], out)) == 0
     assert load(out / 'distill.pt')['step'] == 2 and not (out / 'student-2.pt').exists()
@@ -333,7 +292,7 @@ def one_error(capsys) -> str:
 
 
 @pytest.mark.parametrize('case', ['junk', 'missing', 'folder', 'halving', 'down-to', 'guidance', 'student',
-                                  'resume-student', 'resume-teacher', 'range', 'prediction-eps'])
+                                  'resume-student', 'resume-teacher', 'range', 'prediction-eps', 'batch'])
 def test_a_bad_flag_is_one_line_and_writes_nothing(case, teachers, whole, tmp_path, capsys):
     junk = tmp_path / 'junk.pt'
     junk.write_text('not a checkpoint')
@@ -350,6 +309,7 @@ def test_a_bad_flag_is_one_line_and_writes_nothing(case, teachers, whole, tmp_pa
         'resume-teacher': (['--resume', teacher, '--out-dir', str(out)], 'not a distill.py run'),
         'range': (distill_args(teacher, out, '--teacher-steps', '2048'), 'teacher-steps'),
         'prediction-eps': (distill_args(teacher, out, '--prediction', 'eps'), 'prediction'),
+        'batch': (distill_args(teacher, out, '--batch-size', '5000'), '--batch-size 5000 is larger than the data set'),
     }[case]
     code = distill.cli(args) if case != 'prediction-eps' else pytest.raises(SystemExit, distill.cli, args).value.code
     assert code == 2 and says in one_error(capsys)
@@ -568,7 +528,7 @@ def test_the_study_refuses_in_one_line_before_any_work(case, teachers, whole, ot
     student = str(whole / 'student-2.pt')
     flags, says = {
         'another-teacher': (['--teacher', others['seed1'], '--students', str(whole)], 'distilled from another model'),
-        'twice': (['--teacher', teachers['uncond'], '--students', f'{student},{student}'], 'both take 2 steps'),
+        'twice': (['--teacher', teachers['uncond'], '--students', f'{student},{student}'], 'are both student-2'),
         'cond-size': (['--teacher', teachers['uncond'], '--cond-teacher', others['cond16'], '--guidance', '1.5'],
                       'one judge scores both'),
         'guidance': (['--teacher', teachers['uncond'], '--cond-teacher', teachers['cond'], '--cond-students',
