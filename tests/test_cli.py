@@ -30,7 +30,7 @@ FLAGS = {
               '--ckpt-every', '--out-dir', '--samples-dir', '--resume', '--init-from', '--tensorboard',
               '--no-tensorboard', '--seed', '--device'],
     'sample': ['--ckpt', '--num', '--sampler', '--steps', '--spacing', '--eta', '--variance', '--clip', '--label',
-               '--guidance',
+               '--guidance', '--mid-timestep',
                '--batch-size',
                '--out',
                '--format', '--grid', '--no-grid', '--weights', '--seed', '--device', '--amp', '--compile',
