@@ -8,6 +8,7 @@ visible where they are read."""
 import dataclasses
 import math
 import os
+import contextlib
 import typing
 from dataclasses import dataclass
 
@@ -113,6 +114,15 @@ def set_rng_states(states: dict, device):
     torch.set_rng_state(states['cpu'])
     if device.type == 'cuda' and states.get('cuda') is not None:
         torch.cuda.set_rng_state(states['cuda'], device)
+
+
+@contextlib.contextmanager
+def replayed_randomness(device):
+    """Runs the block, then puts the random state back as it was before it, so that a second pass draws
+    the same dropout masks (ECT's shared dropout between the two sides of the consistency loss)."""
+    states = rng_states(device)
+    yield
+    set_rng_states(states, device)
 
 
 def load_states(named_as: str, pairs: list):

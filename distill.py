@@ -44,8 +44,8 @@ from tqdm import tqdm
 import data
 import diffusion
 import students
-from bookkeeping import (data_identity, ema_update, finite_mean_loss, last_good_note, load_states, rng_states,
-                         set_rng_states, training_data, weights_finite)
+from bookkeeping import (data_identity, ema_update, finite_mean_loss, last_good_note, load_states,
+                         replayed_randomness, rng_states, set_rng_states, training_data, weights_finite)
 from checkpoint import (check_same_data, model_from_checkpoint, read_checkpoint, require_finite, save_checkpoint,
                         weights_fingerprint)
 from cli import (ConfigError, NonFiniteLoss, StopFlag, StopRequested, changed_fields, check_ranges, flag, given_fields,
@@ -331,13 +331,12 @@ def consistency_loss(student, sched: diffusion.Schedule, x0: torch.Tensor, stage
     (alpha, sigma), (alpha_r, sigma_r) = students.alpha_sigma(sched, t, x0), students.alpha_sigma(sched, r, x0)
     z = alpha * x0 + sigma * noise  # q_sample (eq. 4)
     z_r = alpha_r * x0 + sigma_r * noise if ode_step is None else ode_step(z, t, r)
-    with students.replayed_randomness(x0.device):
+    with replayed_randomness(x0.device):
         f = students.consistency_fn(student(z, t).to(z.dtype), z, t, alpha, sigma, prediction)
     with torch.no_grad():  # the network is not called at the clean end: f = z there
         target = students.consistency_fn(student(z_r, r.clamp(min=0)).to(z.dtype), z_r, r, alpha_r, sigma_r,
                                          prediction)
-    levels = torch.cat([torch.zeros(1, dtype=torch.float64), students.noise_levels(sched).cpu()]).to(x0)
-    per_image = students.pseudo_huber(f, target, huber_c) / (levels[t + 1] - levels[r + 1])
+    per_image = students.pseudo_huber(f, target, huber_c) / (sigma / alpha - sigma_r / alpha_r).flatten()
     return per_image if per_example else per_image.mean()
 
 

@@ -1,8 +1,6 @@
 """The few-step students' maths: progressive distillation's grid, targets and sampler, and consistency
 students' noise levels, gap schedule, boundary condition and sampler (distill.py trains the students,
 sample.py draws them). Built on diffusion.py's schedule and parameterisations."""
-import contextlib
-
 import torch
 from tqdm import tqdm
 
@@ -140,19 +138,6 @@ def consistency_fn(output: torch.Tensor, z: torch.Tensor, t: torch.Tensor, alpha
 def pseudo_huber(a: torch.Tensor, b: torch.Tensor, c: float) -> torch.Tensor:
     """Per image sqrt(||a - b||^2 + c^2) - c (Song & Dhariwal 2024, iCT; c = 0: the L2 distance, ECT's)."""
     return ((a - b).square().flatten(1).sum(1) + c ** 2).sqrt() - c
-
-
-@contextlib.contextmanager
-def replayed_randomness(device):
-    """Runs the block, then puts the random state back as it was before it, so that a second pass draws
-    the same dropout masks (ECT's shared dropout between the two sides of the loss)."""
-    cuda = torch.device(device).type == 'cuda'
-    cpu_state = torch.random.get_rng_state()
-    cuda_state = torch.cuda.get_rng_state(device) if cuda else None
-    yield
-    torch.random.set_rng_state(cpu_state)
-    if cuda:
-        torch.cuda.set_rng_state(cuda_state, device)
 
 
 def consistency_timesteps(steps: int, mid: int, num_steps: int = 1000) -> list:
