@@ -210,7 +210,9 @@ def report(result: dict, cfg):
                  f"({d['timed']['start_s_below']:.1f} s below), on {d['timed']['device']}: {d['timed']['commit'][:7]} "
                  f"(hash {d['timed']['hash']})"
                  for name, d in result['levers'].items() if 'timed' in d))
-    score = 'digits FD (classifier features)' if cfg.dataset == 'digits' else 'FID'
+    # train.py's default draws (train_config: 3 for digits), which the ladder never changes
+    score = ('the digits class FD (each digit against its own real digits, in the digit classifier\'s features), '
+             'the mean of 3 draws' if cfg.dataset == 'digits' else 'FID')
     power = ', '.join(f"{p['rate']:.0%} against a gain of {share} of the baseline's images ({p['gain']:,.0f})"
                       for share, p in rule['power'].items())
     ladder_rule = (
