@@ -76,7 +76,8 @@ class StudyConfig:
     latency_images: int = flag(32, 'images drawn one at a time for the batch-1 img/s rows', at_least=1)
     speed_repeats: int = flag(3, 'timed runs per img/s row (the median is kept), after one untimed', at_least=1)
     compile: bool = flag(False, 'also time torch.compile\'d networks (minutes of compiling on a CPU)')
-    quick: bool = flag(False, 'timing only, one repeat, no scores and no picture: the GPU issue\'s short window')
+    quick: bool = flag(False, 'timing only (--speed-repeats timed runs per row), no scores and no picture: a GPU\'s '
+                              'short window')
     recompute: bool = flag(False, 'no sampling: the report again from OUT_DIR/STEM.json\'s rows (after a change to '
                                   'its summary)')
     data_dir: str = flag('./data', 'where the digit classifier is cached')
@@ -279,7 +280,7 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
                 sampling = Sampling(num=count, batch_size=batch, sampler=sampler, steps=n, seed=0,
                                     guidance=1.0 if name != 'teacher' else (guidance or 1.0), **more)
                 times = []
-                for repeat in range(1 + (1 if args.quick else args.speed_repeats)):
+                for repeat in range(1 + args.speed_repeats):
                     with stop.interruptible():
                         synchronize(device)
                         start = time.perf_counter()
