@@ -29,7 +29,7 @@ COMPILE_MODES = ('default', 'reduce-overhead', 'max-autotune', 'max-autotune-no-
 # paper's recipe with the two levers it keeps, Min-SNR-5 and a cosine lr decay to 0 at 200,000
 # images) on tiny and the digits, on a CPU, to the first digits score at or below
 # evaluation.DIGITS_TARGET that holds when drawn again (the ladder's target). An evaluation every
-# 50,000 images: that arm's ladder runs score 80 to 89 at 112,500 images and under 80 by 125,000, so
+# 50,000 images: that arm's ladder runs score 74 to 88 at 112,500 images and 67 to 74 at 125,000, so
 # three evaluations find the stop at 150,000 (docs/training.md#the-cpu-demo).
 RECIPES = {
     'digits-demo': ('--dataset', 'digits', '--preset', 'tiny', '--image-size', '16', '--device', 'cpu', '--steps',

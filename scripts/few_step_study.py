@@ -13,6 +13,7 @@ the teacher's DPM-Solver++ at 20, from the same noise.
     python scripts/few_step_study.py --teacher runs/ckpt.pt --students runs/distill \\
         --cond-teacher runs/cond/ckpt.pt --cond-students runs/distill-cond
     python scripts/few_step_study.py --teacher T --students S --quick --device cuda --compile  # timing only
+    python scripts/few_step_study.py --teacher T --students S --quick --no-speed --picture PNG  # the picture only
 """
 import glob
 import hashlib
@@ -76,8 +77,8 @@ class StudyConfig:
     latency_images: int = flag(32, 'images drawn one at a time for the batch-1 img/s rows', at_least=1)
     speed_repeats: int = flag(3, 'timed runs per img/s row (the median is kept), after one untimed', at_least=1)
     compile: bool = flag(False, 'also time torch.compile\'d networks (minutes of compiling on a CPU)')
-    quick: bool = flag(False, 'timing only (--speed-repeats timed runs per row), no scores and no picture: a GPU\'s '
-                              'short window')
+    quick: bool = flag(False, 'no scores: the img/s rows alone (--speed-repeats timed runs per row) and the picture '
+                              'if asked; a GPU\'s short window')
     recompute: bool = flag(False, 'no sampling: the report again from OUT_DIR/STEM.json\'s rows (after a change to '
                                   'its summary)')
     data_dir: str = flag('./data', 'where the digit classifier is cached')
@@ -352,7 +353,7 @@ def study(args: StudyConfig):
     stop = StopFlag()
     restore = stop.install()
     try:
-        if args.picture and not args.quick:
+        if args.picture:
             picture(families['unconditional'], args.picture)
         for name, family in families.items():
             if args.only and name != args.only:

@@ -470,6 +470,21 @@ def test_the_study_writes_its_rows_and_keeps_them_at_a_stop(teachers, whole, tmp
     assert not alone['speed'] and '| solver | 1 calls |' in (tmp_path / 'g' / 'cpu-digits-few-step.md').read_text()
 
 
+def test_the_studys_quick_form_times_every_repeat_and_draws_the_picture_alone(teachers, whole, tmp_path):
+    import json
+
+    import few_step_study
+    common = ['--teacher', teachers['uncond'], '--students', str(whole), '--device', 'cpu']
+    assert few_step_study.main(common + ['--quick', '--speed-batch', '2', '--speed-repeats', '3', '--latency-images',
+                                         '2', '--out-dir', str(tmp_path / 'q')]) == 0
+    timed = json.load(open(tmp_path / 'q' / 'cpu-digits-few-step.json'))
+    assert not timed['scores'] and [len(r['seconds']) for r in timed['speed']['unconditional']] == [3] * 6
+    assert few_step_study.main(common + ['--quick', '--no-speed', '--picture', str(tmp_path / 'p.png'),
+                                         '--out-dir', str(tmp_path / 'p')]) == 0
+    drawn = json.load(open(tmp_path / 'p' / 'cpu-digits-few-step.json'))
+    assert (tmp_path / 'p.png').exists() and not drawn['scores'] and not drawn['speed']
+
+
 def teacher_rows(solver, calls, fds):
     return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_class_fd': fd,
              'evaluations': calls} for s, fd in enumerate(fds)]
