@@ -5,10 +5,10 @@ out of every checkpoint, and the ranks under torchrun with the small collectives
 agree (a stop, a start-up failure, gathered results, identical weights). `Run` is what one train.py
 process holds; the modules that log, evaluate and save it import it from here, so that its fields are
 visible where they are read."""
+import contextlib
 import dataclasses
 import math
 import os
-import contextlib
 import typing
 from dataclasses import dataclass
 

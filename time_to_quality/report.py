@@ -9,6 +9,7 @@ from dataclasses import asdict
 
 from devices import device_name, device_slug, pick_device
 from reports import markdown_table, provenance, pyplot, save_figure, write_report
+from train_config import default_eval_draws
 
 from .arms import decay_plan, slug
 from .speed import WARMUP_STEPS
@@ -210,9 +211,9 @@ def report(result: dict, cfg):
                  f"({d['timed']['start_s_below']:.1f} s below), on {d['timed']['device']}: {d['timed']['commit'][:7]} "
                  f"(hash {d['timed']['hash']})"
                  for name, d in result['levers'].items() if 'timed' in d))
-    # train.py's default draws (train_config: 3 for digits), which the ladder never changes
+    # the ladder's runs take train.py's default number of draws
     score = ('the digits class FD (each digit against its own real digits, in the digit classifier\'s features), '
-             'the mean of 3 draws' if cfg.dataset == 'digits' else 'FID')
+             f'the mean of {default_eval_draws(cfg.dataset)} draws' if cfg.dataset == 'digits' else 'FID')
     power = ', '.join(f"{p['rate']:.0%} against a gain of {share} of the baseline's images ({p['gain']:,.0f})"
                       for share, p in rule['power'].items())
     ladder_rule = (
