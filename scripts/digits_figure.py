@@ -23,7 +23,8 @@ from files import atomic_open, check_creatable, check_writable  # noqa: E402
 @dataclass
 class FigureConfig:
     ckpt: str = flag('', 'a checkpoint of a digits run (required)')
-    out: str = flag('ddpm_samples/readme_digits.png', 'the PNG to write (a file name ending in .png)')
+    out: str = flag('runs/digits_figure.png', 'the PNG to write, a file name ending in .png (the README\'s: '
+                                             'ddpm_samples/readme_digits.png, only when named)')
     scale: int = flag(4, 'pixels per image pixel', at_least=1, at_most=32)
 
 

@@ -39,7 +39,8 @@ from reports import markdown_table, provenance, write_report  # noqa: E402
 class ScoreCheckConfig:
     image_size: int = flag(16, 'resolution of the digits (the blur is up to 9 pixels wide)', at_least=8, at_most=256)
     data_dir: str = flag('./data', 'where the classifier is cached')
-    out_dir: str = flag('results', 'where the JSON and Markdown go')
+    out_dir: str = flag('runs/digits-score', 'where the JSON and Markdown go (results/ only when named: '
+                                             'a run never replaces the committed evidence by default)')
     ckpt: str = flag('', 'digits checkpoints, comma-separated: measure the score\'s noise on their EMA samples '
                          'instead')
     pool: int | None = flag(None, 'samples drawn from each --ckpt and cut into disjoint sets (default 12000)',

@@ -39,7 +39,8 @@ class GuidanceConfig:
     batch_size: int = flag(250, 'images per sampling batch', at_least=1)
     seed: int = flag(0, 'sampling seed: every scale draws from the same noise', at_least=0, at_most=2 ** 32 - 1)
     data_dir: str = flag('./data', 'where the digit classifier is cached')
-    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    out_dir: str = flag('runs/guidance-sweep', 'where the JSON, Markdown and PNG go (results/ only when named: '
+                                               'a run never replaces the committed evidence by default)')
     stem: str = flag('cpu-digits-guidance', 'the reports\' file name')
 
 

@@ -32,7 +32,8 @@ class AccuracyConfig:
                               'the wiring')
     device: str = flag('cpu', 'where the trained model runs')
     seed: int = flag(0, 'seed of the noise', at_least=0, at_most=2 ** 32 - 1)
-    out_dir: str = flag('results', 'where the JSON, Markdown and PNG go')
+    out_dir: str = flag('runs/solver-accuracy', 'where the JSON, Markdown and PNG go (results/ only when named: '
+                                                'a run never replaces the committed evidence by default)')
     stem: str = flag('solver-accuracy', 'output file name stem, a plain name (--out-dir says where)')
 
 

@@ -6,7 +6,7 @@ img/s). Written to OUT_DIR/STEM.{json,md} after every seed, so that a stop (SIGT
 run in progress saves and exits, and is not timed) keeps the seeds timed; the last checkpoint of each
 seed stays in RUNS_DIR/seed<k> (the README's picture is drawn from seed 0's).
 
-    python scripts/time_demo.py                  # five seeds, 50 minutes on 2 cores
+    python scripts/time_demo.py --out-dir results   # five seeds, 35 minutes on 2 cores: results/cpu-digits-demo.*
     python scripts/time_demo.py --seeds 1 --warm-data   # one seed, the classifier's cache kept
 """
 import json
@@ -49,7 +49,8 @@ class DemoConfig:
     warm_data: bool = flag(False, 'share one data folder between the seeds (the classifier trained by the first '
                                   'run only; default: a fresh one per seed, as on a fresh clone)')
     runs_dir: str = flag('runs/demo', 'where each seed\'s run goes (RUNS_DIR/seed<k>; refused if one is there)')
-    out_dir: str = flag('results', 'where the JSON and Markdown go')
+    out_dir: str = flag('runs/time-demo', 'where the JSON and Markdown go (results/ only when named: '
+                                          'a run never replaces the committed evidence by default)')
     stem: str = flag('cpu-digits-demo', 'the reports\' file name')
 
 

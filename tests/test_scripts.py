@@ -15,12 +15,15 @@ import train
 from time_to_quality import ladder
 
 
-def test_solver_accuracy_against_exact_answers(tmp_path):
+def test_solver_accuracy_against_exact_answers(tmp_path, monkeypatch):
     # The quick form: the 2-D Gaussian mixture with its exact denoiser, and a trained checkpoint's
-    # distance to its 1000-call ODE solution.
+    # distance to its 1000-call ODE solution. Its report goes under runs/ by default, never into results/.
     assert train.cli(train_args(tmp_path, '--steps', '2', '--sample-every', '0')) == 0
-    assert solver_accuracy.main(['--quick', '--out-dir', str(tmp_path), '--stem', 'acc', '--sample-batch', '4',
+    monkeypatch.chdir(tmp_path)
+    assert solver_accuracy.main(['--quick', '--stem', 'acc', '--sample-batch', '4',
                                  '--ckpt', str(tmp_path / 'run' / 'ckpt.pt')]) == 0
+    assert not (tmp_path / 'results').exists()
+    tmp_path = tmp_path / 'runs' / 'solver-accuracy'
     result = json.loads((tmp_path / 'acc.json').read_text())
     rows = {(r['data'][:7], r['sampler'], r['calls']): r for r in result['rows']}
     assert {calls for _, _, calls in rows} == {5, 20}
@@ -34,9 +37,11 @@ def test_solver_accuracy_against_exact_answers(tmp_path):
     assert (tmp_path / 'acc.png').read_bytes()[:4] == b'\x89PNG' and '| Data |' in (tmp_path / 'acc.md').read_text()
 
 
-def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache):
-    assert digits_score.main(['--image-size', '8', '--data-dir', digits_cache, '--out-dir', str(tmp_path)]) == 0
-    rows = {r['set']: r for r in json.loads((tmp_path / 'digits-score-8.json').read_text())['rows']}
+def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its report goes under runs/ by default, never into results/
+    assert digits_score.main(['--image-size', '8', '--data-dir', digits_cache]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
+    rows = {r['set']: r for r in json.loads((tmp_path / 'runs' / 'digits-score' / 'digits-score-8.json').read_text())['rows']}
     for key in ('digits_fd', 'digits_class_fd'):  # the plain FD and the score that decides, from one run
         floor = rows['held-out digits (the floor)'][key]
         assert rows['uniform noise'][key] > 5 * floor and rows['held-out digits, pixels shuffled'][key] > 5 * floor
@@ -113,6 +118,22 @@ def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args
     assert code == 2 and expected in err and len(err.splitlines()) == 1, err
     assert [p.name for p in tmp_path.iterdir()] == ['a-file']
 
+
+
+@pytest.mark.parametrize('script', ['time_demo', 'solver_accuracy', 'digits_score', 'guidance_sweep', 'few_step_study',
+                                    'digits_figure', 'time_to_quality.arm_speed', 'time_to_quality.ladder'])
+def test_no_script_writes_into_the_committed_evidence_unless_told(script):
+    # results/ and the README's pictures change only when a command names them: a short run with the
+    # defaults (the ones tested end to end above write there) never replaces a committed report.
+    import importlib
+
+    from cli import parse_config
+    module = importlib.import_module(script)
+    config_class = next(c for c in vars(module).values() if dataclasses.is_dataclass(c) and isinstance(c, type)
+                        and c.__module__ == module.__name__ and c.__name__.endswith('Config'))
+    config = parse_config([], config_class)
+    out = os.path.normpath(getattr(config, 'out_dir', None) or config.out)
+    assert out.split(os.sep)[0] == 'runs', (script, out)
 
 
 # ----------------------------------------------------------------------------- the README's demo, timed whole

@@ -47,7 +47,8 @@ class ArmSpeedConfig:
                           'target from its images and these img/s')
     device: str = flag('cpu', 'cpu, cuda or cuda:N')
     data_dir: str = flag('./data', 'the data (digits: the classifier\'s cache only)')
-    out_dir: str = flag('results', 'where the JSON and Markdown go')
+    out_dir: str = flag('runs/arm-speed', 'where the JSON and Markdown go (results/ only when named: '
+                                          'a run never replaces the committed evidence by default)')
     stem: str = flag('', 'file name stem (default: <device>-digits-<ladder>-speed)')
 
 

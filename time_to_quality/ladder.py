@@ -81,7 +81,9 @@ class LadderConfig:
     data_dir: str = flag('./data', 'the data (and the digit classifier\'s cache)')
     runs_dir: str = flag('runs/time-to-quality', 'where the runs in progress go (and the recipe\'s PNG copy of the '
                                                  'data)')
-    out_dir: str = flag('results', 'where the report and the finished runs\' curves go')
+    out_dir: str = flag('runs/time-to-quality-reports', 'where the report and the finished runs\' curves go '
+                                                        '(results/ only when named: a run never replaces the '
+                                                        'committed evidence by default)')
     stem: str = flag('', 'report file name stem (default: <device>-<dataset>-time-to-quality, or -<ladder>-study)')
     workers: int = flag(1, 'runs trained at once, each in its own process (then set OMP_NUM_THREADS; times are '
                            'then of a shared machine)', at_least=1)
