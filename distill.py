@@ -72,6 +72,9 @@ class DistillConfig:
     down_to: int = flag(1, 'the last student\'s steps; --teacher-steps must halve to it', at_least=1)
     steps_per_stage: int = flag(1000, 'optimizer steps per halving of the steps (progressive; the paper: 50,000 at '
                                       'batch 128 on CIFAR-10) or of the gap (consistency)', at_least=1)
+    first_stage_steps: int | None = flag(None, 'progressive: optimizer steps of the first stage, where the student '
+                                               'also learns to predict v from a teacher of eps (default: '
+                                               '--steps-per-stage)', at_least=1)
     stages: int = flag(8, 'consistency: stages, the gap t - r halving at each (ECT: 8 on CIFAR-10)', at_least=1,
                        at_most=30)
     ode_step: str = flag('auto', 'consistency: where z_r comes from: data (the same image and noise at r: '
@@ -80,6 +83,10 @@ class DistillConfig:
                          choices=ODE_STEPS)
     huber_c: float = flag(0.0, 'consistency: the distance sqrt(||a - b||^2 + c^2) - c (0: the L2 distance, '
                                'ECT\'s; iCT: 0.00054 sqrt(pixels))', at_least=0)
+    level_mean: float = flag(students.ECT_P_MEAN, 'consistency: the mean of ln s over the loss\'s pairs, s = '
+                                                  'sigma / alpha, EDM\'s noise level (ECT\'s P_mean: -1.1)')
+    level_std: float = flag(students.ECT_P_STD, 'consistency: the spread of ln s over the pairs (ECT\'s P_std: 2)',
+                            positive=True)
     mid_timestep: int = flag(400, 'consistency: the 2-call student\'s second timestep, where its first image is '
                                   're-noised to (400: best of 100, 222 (ECT\'s EDM sigma 0.821), 400 and 600 on '
                                   'digits, docs/sampling.md)',
@@ -111,8 +118,9 @@ class DistillConfig:
 
 
 # The flags of one method only: given with the other, refused.
-METHOD_FLAGS = {'progressive': ('teacher_steps', 'down_to'),
-                'consistency': ('stages', 'ode_step', 'huber_c', 'mid_timestep', 'dropout')}
+METHOD_FLAGS = {'progressive': ('teacher_steps', 'down_to', 'first_stage_steps'),
+                'consistency': ('stages', 'ode_step', 'huber_c', 'level_mean', 'level_std', 'mid_timestep',
+                                'dropout')}
 # Flags a resumed run may change: they move no number of the run.
 CHANGEABLE_ON_RESUME = ('log_every', 'ckpt_every', 'num_workers', 'device', 'out_dir', 'resume', 'data_dir')
 
@@ -126,6 +134,24 @@ def stage_steps(cfg: DistillConfig) -> list:
     while counts[-1] > cfg.down_to:
         counts.append(counts[-1] // 2)
     return counts
+
+
+def stage_lengths(cfg: DistillConfig) -> list:
+    """Optimizer steps of each stage: --first-stage-steps for a progressive run's first (its student starts
+    from a teacher that may predict eps and must match two of its steps in one), --steps-per-stage after."""
+    first = cfg.first_stage_steps if cfg.method == 'progressive' and cfg.first_stage_steps else cfg.steps_per_stage
+    return [first] + [cfg.steps_per_stage] * (len(stage_steps(cfg)) - 1)
+
+
+def stage_at(cfg: DistillConfig, step: int) -> tuple:
+    """(stage, steps into it) of the run's `step`; past the last stage, (the number of stages, the steps
+    beyond its end)."""
+    lengths = stage_lengths(cfg)
+    for stage, length in enumerate(lengths):
+        if step < length:
+            return stage, step
+        step -= length
+    return len(lengths), step
 
 
 def made_students(cfg: DistillConfig) -> str:
@@ -231,7 +257,7 @@ class Distillation:
 
     @property
     def total_steps(self) -> int:
-        return len(stage_steps(self.cfg)) * self.cfg.steps_per_stage
+        return sum(stage_lengths(self.cfg))
 
     def sampled(self) -> torch.nn.Module:  # what the stage's student is: its EMA, or its weights
         return self.ema if self.ema is not None else self.student
@@ -317,15 +343,16 @@ def distillation_loss(student, teacher, sched: diffusion.Schedule, x0: torch.Ten
 
 def consistency_loss(student, sched: diffusion.Schedule, x0: torch.Tensor, stage: int, prediction: str = 'v',
                      ode_step: typing.Callable = None, huber_c: float = 0.0, t: torch.Tensor = None,
-                     r: torch.Tensor = None, noise: torch.Tensor = None, per_example: bool = False) -> torch.Tensor:
+                     r: torch.Tensor = None, noise: torch.Tensor = None, per_example: bool = False,
+                     levels: tuple = (students.ECT_P_MEAN, students.ECT_P_STD)) -> torch.Tensor:
     """ECT's loss (Geng et al. 2025, eq. 8 with the weight 1 / (t - r) of its section 3): for (t, r) of the
-    stage (students.consistency_pair, unless given) and z_t = alpha_t x0 + sigma_t eps,
+    stage (students.consistency_pair at ln s ~ N(levels), unless given) and z_t = alpha_t x0 + sigma_t eps,
     w d(f(z_t, t), stopgrad f(z_r, r)), with w = 1 / (s_t - s_r) in EDM's noise levels, d the pseudo-Huber
     distance (students.pseudo_huber) and f the student read by students.consistency_fn (f = z at r = -1).
     z_r = alpha_r x0 + sigma_r eps on the same noise (consistency training), or ode_step(z_t, t, r), the
     teacher's step along its trajectory (consistency distillation). Both passes draw the same dropout."""
     if t is None:
-        t, r = students.consistency_pair(sched, stage, x0.shape[0], x0.device)
+        t, r = students.consistency_pair(sched, stage, x0.shape[0], x0.device, None, *levels)
     if noise is None:
         noise = torch.randn_like(x0)
     (alpha, sigma), (alpha_r, sigma_r) = students.alpha_sigma(sched, t, x0), students.alpha_sigma(sched, r, x0)
@@ -342,16 +369,16 @@ def consistency_loss(student, sched: diffusion.Schedule, x0: torch.Tensor, stage
 
 # ----------------------------------------------------------------------------- the step
 
-def stage_lr(within: int, cfg: DistillConfig) -> float:
+def stage_lr(stage: int, within: int, cfg: DistillConfig) -> float:
     """Progressive distillation's schedule per stage: no warm-up, linear decay from --lr to 0 at the
     stage's end; ECT's: --lr throughout."""
-    return cfg.lr if cfg.method == 'consistency' else cfg.lr * (1 - within / cfg.steps_per_stage)
+    return cfg.lr if cfg.method == 'consistency' else cfg.lr * (1 - within / stage_lengths(cfg)[stage])
 
 
 def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
     """One optimizer step of the student on a batch (images, or (images, labels)); the loss, unsynced."""
     cfg = d.cfg
-    stage, within = divmod(step, cfg.steps_per_stage)
+    stage, within = stage_at(cfg, step)
     x0, labels = batch if isinstance(batch, tuple) else (batch, None)
     student, teacher = d.student, d.teacher
     # Stage 0's teacher is the trained model (its own prediction, guided with two halves); a later stage's is the
@@ -363,11 +390,12 @@ def distill_step(d: Distillation, batch, step: int) -> torch.Tensor:
         teacher = (diffusion.guided(d.teacher, labels, cfg.guidance, d.num_classes) if first else
                    (lambda z, t: d.teacher(z, t, labels)))
     for group in d.optimizer.param_groups:
-        group['lr'] = stage_lr(within, cfg)
+        group['lr'] = stage_lr(stage, within, cfg)
     if cfg.method == 'consistency':  # its teacher is the trained model throughout, guided where it is
         step_of = None if cfg.ode_step == 'data' else (
             lambda z, t, r: teacher_step(teacher, d.sched, z, t, r, teacher_prediction))
-        loss = consistency_loss(student, d.sched, x0, stage, cfg.prediction, step_of, cfg.huber_c)
+        loss = consistency_loss(student, d.sched, x0, stage, cfg.prediction, step_of, cfg.huber_c,
+                                levels=(cfg.level_mean, cfg.level_std))
     else:
         loss = distillation_loss(student, teacher, d.sched, x0, stage_steps(cfg)[stage], cfg.prediction,
                                  teacher_prediction)
@@ -459,7 +487,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
     """The stages' steps from `step` on; a metrics row every --log-every steps, OUT/student-N.pt at
     each stage's end, OUT/distill.pt every --ckpt-every steps, at each stage's end and at a stop
     (SIGTERM or Ctrl-C: the step finishes, the checkpoint is saved, exit 0)."""
-    cfg, counts = d.cfg, stage_steps(d.cfg)
+    cfg, counts, lengths = d.cfg, stage_steps(d.cfg), stage_lengths(d.cfg)
     ckpt_path = os.path.join(cfg.out_dir, 'distill.pt')
     loss_sum, unlogged, interval_start, start = torch.zeros((), device=d.device), 0, time.perf_counter(), seconds
     clock = time.perf_counter()
@@ -467,7 +495,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
     bar = tqdm(total=d.total_steps, initial=step, dynamic_ncols=True, desc='distill')
     try:
         for batch in d.loader.batches(step) if step < d.total_steps else ():
-            stage, within = divmod(step, cfg.steps_per_stage)
+            stage, within = stage_at(cfg, step)
             if within == 0:
                 begin_stage(d, stage)
             if within == 0 or bar.n == bar.initial:
@@ -476,7 +504,7 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
             loss_sum += distill_step(d, batch, step)
             step, unlogged = step + 1, unlogged + 1
             bar.update(1)
-            stage_done, stopped = step % cfg.steps_per_stage == 0, d.stop.reason
+            stage_done, stopped = within + 1 == lengths[stage], d.stop.reason
             must_save = stage_done or stopped or step % cfg.ckpt_every == 0
             if step % cfg.log_every == 0 or must_save:  # a checkpoint only after the losses before it are seen finite
                 mean_loss = finite_mean_loss(loss_sum, unlogged, step, last_good)
@@ -484,7 +512,8 @@ def distill(d: Distillation, step: int, log: JsonLines, seconds: float = 0.0) ->
                 seconds += now - clock
                 clock = now
                 log.write({'kind': 'train', 'step': step, 'stage': stage, 'student_steps': counts[stage],
-                           'images_seen': step * cfg.batch_size, 'loss': mean_loss, 'lr': stage_lr(within, cfg),
+                           'images_seen': step * cfg.batch_size, 'loss': mean_loss,
+                           'lr': stage_lr(stage, within, cfg),
                            'img_per_s': unlogged * cfg.batch_size / (now - interval_start), 'seconds': seconds})
                 bar.set_postfix(loss=f'{mean_loss:.4g}')
                 loss_sum.zero_()

@@ -116,12 +116,13 @@ def level_timestep(levels: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(levels.to(s.device, s.dtype), s.contiguous(), right=True) - 1
 
 
-def consistency_pair(sched: Schedule, stage: int, batch: int, device, generator: torch.Generator = None) -> tuple:
-    """(t, r) per image: s ~ lognormal(ECT_P_MEAN, ECT_P_STD^2) taken to the timestep nearest in ln s
-    (clamped to 0..T-1), r the timestep at or below ect_gap(s_t), which is under s_t, so r < t: the VP
+def consistency_pair(sched: Schedule, stage: int, batch: int, device, generator: torch.Generator = None,
+                     mean: float = ECT_P_MEAN, std: float = ECT_P_STD) -> tuple:
+    """(t, r) per image: s ~ lognormal(mean, std^2) (ECT's P_mean, P_std) taken to the timestep nearest in
+    ln s (clamped to 0..T-1), r the timestep at or below ect_gap(s_t), which is under s_t, so r < t: the VP
     grid's discrete form of ECT's pair."""
     levels = noise_levels(sched).to(device)
-    log_s = ECT_P_MEAN + ECT_P_STD * torch.randn(batch, generator=generator, device=device, dtype=torch.float64)
+    log_s = mean + std * torch.randn(batch, generator=generator, device=device, dtype=torch.float64)
     t = (levels.log()[None, :] - log_s[:, None]).abs().argmin(1)
     return t, level_timestep(levels, ect_gap(levels[t], stage))
 

@@ -236,6 +236,26 @@ def test_each_stage_trains_on_its_own_gap(teachers, tmp_path, monkeypatch):
     assert load(tmp_path / 'run' / 'consistency-1.pt')['model_config']['dropout'] == 0.25
 
 
+def test_the_pairs_levels_follow_the_lognormal_asked_for(teachers, tmp_path, monkeypatch):
+    # ln s ~ N(mean, std^2) on the grid: median and quartiles of the drawn levels where asked (4000 draws),
+    # ECT's -1.1 and 2 by default, and --level-mean / --level-std reach the pairs of a run.
+    levels = students.noise_levels(GAUSS_SCHED).log()
+    for mean, std in ((-1.1, 2.0), (1.0, 0.5), (2.5, 1.0)):
+        t, _ = students.consistency_pair(GAUSS_SCHED, 3, 4000, 'cpu', torch.Generator().manual_seed(1), mean, std)
+        q1, median, q3 = levels[t].quantile(torch.tensor([0.25, 0.5, 0.75], dtype=torch.float64)).tolist()
+        assert abs(median - mean) < 0.1 * std and abs((q3 - q1) / 1.349 - std) < 0.1 * std, (mean, std)
+    drawn, pair = [], students.consistency_pair
+
+    def spy(*args):
+        drawn.append(args[5:])
+        return pair(*args)
+    monkeypatch.setattr(students, 'consistency_pair', spy)
+    assert distill.cli(consistency_args(teachers['uncond'], tmp_path / 'run', '--stages', '1', '--steps-per-stage',
+                                        '2', '--level-mean', '1.5', '--level-std', '0.75')) == 0
+    assert drawn == [(1.5, 0.75)] * 2
+    assert distill.DistillConfig().level_mean == students.ECT_P_MEAN
+
+
 def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, tuned, tmp_path, monkeypatch):
     monkeypatch.setattr(distill, 'distill_step', sigterm_after_steps(distill.distill_step, {2, 3}))
     out = tmp_path / 'split'
@@ -254,12 +274,15 @@ def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, tuned, tmp_
     assert [row['step'] for row in rows(out) if row.get('kind') == 'train'] == [1, 2, 3, 4, 5, 6]
 
 
-@pytest.mark.parametrize('case', ['stages', 'down-to', 'mid', 'guided-data', 'progressive-flag', 'dropout'])
+@pytest.mark.parametrize('case', ['stages', 'down-to', 'first-stage', 'mid', 'guided-data', 'progressive-flag',
+                                  'dropout'])
 def test_a_bad_flag_is_one_line_and_writes_nothing(case, teachers, tmp_path, capsys):
     out = tmp_path / 'out'
     args, says = {
         'stages': (consistency_args(teachers['uncond'], out, '--stages', '0'), '--stages'),
         'down-to': (consistency_args(teachers['uncond'], out, '--down-to', '2'), 'a flag of --method progressive'),
+        'first-stage': (consistency_args(teachers['uncond'], out, '--first-stage-steps', '5'),
+                        'a flag of --method progressive'),
         'mid': (consistency_args(teachers['uncond'], out, '--mid-timestep', '999'), '--mid-timestep'),
         'guided-data': (consistency_args(teachers['cond'], out, '--guidance', '2', '--ode-step', 'data'),
                         'consistency training learns the data'),

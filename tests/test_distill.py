@@ -589,3 +589,40 @@ def test_each_stage_decays_the_learning_rate_linearly_to_zero(teachers, tmp_path
     assert distill.cli(distill_args(teachers['uncond'], tmp_path / 'run', '--steps-per-stage', '4',
                                     '--lr', '0.001')) == 0
     assert seen == pytest.approx([0.001, 0.00075, 0.0005, 0.00025] * 2, rel=1e-12)
+
+
+def test_a_longer_first_stage_decays_over_its_own_length_and_saves_each_student_at_its_end(teachers, tmp_path,
+                                                                                          monkeypatch):
+    # --first-stage-steps 5, --steps-per-stage 2, students of 2 and 1 steps: stage 0 is steps 1-5 (lr down by
+    # lr/5 a step), stage 1 steps 6-7 (from lr again, down by lr/2), each student saved at its own stage's end.
+    assert distill.stage_lengths(distill.DistillConfig(teacher_steps=8, steps_per_stage=3, first_stage_steps=5)) == [
+        5, 3, 3]
+    cfg = distill.DistillConfig(teacher_steps=8, steps_per_stage=3, first_stage_steps=5)
+    assert [distill.stage_at(cfg, step) for step in (0, 4, 5, 7, 8, 10, 11)] == [
+        (0, 0), (0, 4), (1, 0), (1, 2), (2, 0), (2, 2), (3, 0)]
+    consistency = distill.DistillConfig(method='consistency', stages=3, steps_per_stage=3, first_stage_steps=5)
+    assert distill.stage_lengths(consistency) == [3, 3, 3]  # a consistency run's stages are all alike
+    seen, step = [], torch.optim.Adam.step
+
+    def spy(self, *args, **kwargs):
+        seen.append(self.param_groups[0]['lr'])
+        return step(self, *args, **kwargs)
+    monkeypatch.setattr(torch.optim.Adam, 'step', spy)
+    out = tmp_path / 'run'
+    assert distill.cli(distill_args(teachers['uncond'], out, '--steps-per-stage', '2', '--first-stage-steps', '5',
+                                    '--lr', '0.001')) == 0
+    assert seen == pytest.approx([0.001, 0.0008, 0.0006, 0.0004, 0.0002, 0.001, 0.0005], rel=1e-12)
+    assert load(out / 'student-2.pt')['step'] == 5 and load(out / 'student-1.pt')['step'] == 7
+    rows = [row for row in map(eval_json, open(out / 'metrics.jsonl')) if row.get('kind') in ('train', 'stage')]
+    assert [(row['step'], row['stage']) for row in rows if row['kind'] == 'stage'] == [(5, 0), (7, 1)]
+    assert [row['stage'] for row in rows if row['kind'] == 'train'] == [0, 0, 0, 0, 0, 1, 1]
+    # A stop inside the long first stage resumes exactly: the same students, bit for bit.
+    monkeypatch.setattr(distill, 'distill_step', sigterm_after_steps(distill.distill_step, {4}))
+    split = tmp_path / 'split'
+    assert distill.cli(distill_args(teachers['uncond'], split, '--steps-per-stage', '2', '--first-stage-steps', '5',
+                                    '--lr', '0.001')) == 0
+    assert load(split / 'distill.pt')['step'] == 4 and not (split / 'student-2.pt').exists()
+    assert distill.cli(['--resume', str(split / 'distill.pt')]) == 0
+    for name in ('student-2.pt', 'student-1.pt'):
+        a, b = load(out / name), load(split / name)
+        assert all(torch.equal(tensor, b['ema'][key]) for key, tensor in a['ema'].items()), name
