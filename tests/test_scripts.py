@@ -2,6 +2,7 @@
 study and the digits score's checks (the time-to-quality ladder: test_time_to_quality.py)."""
 import dataclasses
 import json
+import math
 import os
 import re
 
@@ -121,7 +122,8 @@ def test_the_scripts_refuse_bad_flags_in_one_line_and_write_nothing(script, args
 
 
 @pytest.mark.parametrize('script', ['time_demo', 'solver_accuracy', 'digits_score', 'guidance_sweep', 'few_step_study',
-                                    'digits_figure', 'time_to_quality.arm_speed', 'time_to_quality.ladder'])
+                                    'digits_figure', 'study_pairs', 'time_to_quality.arm_speed',
+                                    'time_to_quality.ladder'])
 def test_no_script_writes_into_the_committed_evidence_unless_told(script):
     # results/ and the README's pictures change only when a command names them: a short run with the
     # defaults (the ones tested end to end above write there) never replaces a committed report.
@@ -342,3 +344,56 @@ def test_reports_make_the_repository_relative_wherever_it_lies(monkeypatch, root
     assert reports.portable(text) == ('cd . && python x.py --out-dir results/few, then '
                                       + reports.portable(f'{root}-old/x') + ' and .../run/ckpt.pt')
     assert f'{root}/' not in reports.portable(text)
+
+
+# ----------------------------------------------------------------------------- a screen's reports, paired
+
+def study_report(path, teacher_sha, scores, lr, seeds=(0, 1)):
+    """A few_step_study JSON as the study writes it: score rows per (model, solver, calls, seed) and what made
+    each model. `scores`: {(model, solver, calls): [score per seed]}."""
+    import few_step_study
+    rows = [{'model': model, 'sampler': solver, 'calls': calls, 'seed': seed, few_step_study.SCORE: value}
+            for (model, solver, calls), values in scores.items() for seed, value in zip(seeds, values)]
+    students = {model: {'distill': {'lr': lr, 'ema_decay': 0.0}} for model, _, _ in scores if model != 'teacher'}
+    path.write_text(json.dumps({'device': 'CPU', 'scores': {'unconditional': rows}, 'made_by': {
+        'unconditional': {'teacher': {'sha256': teacher_sha}, 'students': students}}}))
+    return str(path)
+
+
+def test_study_pairs_pairs_each_arms_students_by_seed_with_the_base_and_the_teachers_best(tmp_path, capsys):
+    import study_pairs
+    teacher = {('teacher', 'dpm++', 20): [50.0, 80.0], ('teacher', 'unipc', 20): [40.0, 110.0]}  # means 65, 75
+    base = study_report(tmp_path / 'base.json', 'T', {**teacher, ('consistency-1', 'consistency', 1): [100.0, 160.0]},
+                        2e-4)
+    arm = study_report(tmp_path / 'faster.json', 'T', {**teacher, ('consistency-1', 'consistency', 1): [90.0, 176.0]},
+                       4e-4)
+    out = tmp_path / 'out'
+    assert study_pairs.main(['--base', base, '--arms', arm, '--out-dir', str(out), '--stem', 'screen']) == 0
+    rows = {row['arm']: row for row in json.loads((out / 'screen.json').read_text())['rows']}
+    # By hand: to the best at 20 (DPM-Solver++, the lower mean): sqrt(100/50 * 160/80) = 2 exactly for the base;
+    # the arm over the base: sqrt(0.9 * 1.1) = 0.99499, its interval from the logs' spread, 1 degree of freedom.
+    assert rows['base']['vs_teacher20']['ratio'] == pytest.approx(2.0) and rows['base']['vs_base'] is None
+    got = rows['faster']['vs_base']
+    assert got['ratio'] == pytest.approx((0.9 * 1.1) ** 0.5) and got['pairs'] == 2
+    half = 12.706205 * abs(math.log(1.1) - math.log(0.9)) / 2 ** 0.5 / 2 ** 0.5  # t(0.975, 1) sd / sqrt(2)
+    assert got['low'] == pytest.approx(got['ratio'] * math.exp(-half), rel=1e-5)
+    assert rows['faster']['settings']['lr'] == 4e-4 and '| faster | consistency-1 | 0.0004 |' in (
+        out / 'screen.md').read_text()
+
+
+@pytest.mark.parametrize('case', ['teacher', 'seeds', 'missing', 'junk', 'required'])
+def test_study_pairs_refuses_arms_that_do_not_pair_in_one_line(case, tmp_path, capsys):
+    import study_pairs
+    scores = {('teacher', 'dpm++', 20): [50.0, 80.0], ('consistency-1', 'consistency', 1): [100.0, 160.0]}
+    base = study_report(tmp_path / 'base.json', 'T', scores, 2e-4)
+    (tmp_path / 'junk.json').write_text('[1, 2]')
+    arms, says = {
+        'teacher': (study_report(tmp_path / 'a.json', 'U', scores, 4e-4), 'another teacher'),
+        'seeds': (study_report(tmp_path / 'b.json', 'T', scores, 4e-4, seeds=(0, 2)), 'pairs need the same seeds'),
+        'missing': (str(tmp_path / 'none.json'), 'no such file'),
+        'junk': (str(tmp_path / 'junk.json'), 'not a few_step_study report'),
+        'required': ('', '--base and --arms are required'),
+    }[case]
+    code, err = refusal(capsys, study_pairs.main, ['--base', base, '--arms', arms, '--out-dir', str(tmp_path / 'out')])
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / 'out').exists()
