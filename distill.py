@@ -70,11 +70,14 @@ class DistillConfig:
     teacher_steps: int = flag(64, 'N0, the DDIM steps of the first teacher; the first student takes N0/2 '
                                   '(docs/sampling.md: where DDIM has converged)', at_least=2, at_most=1000)
     down_to: int = flag(1, 'the last student\'s steps; --teacher-steps must halve to it', at_least=1)
-    steps_per_stage: int = flag(1000, 'optimizer steps per halving of the steps (progressive; the paper: 50,000 at '
-                                      'batch 128 on CIFAR-10) or of the gap (consistency)', at_least=1)
+    steps_per_stage: int | None = flag(None, 'optimizer steps per halving of the steps (progressive: 400 after the '
+                                             'first stage from a guided teacher, else 1000; the paper: 50,000 '
+                                             'at batch 128 on CIFAR-10) or of the '
+                                             'gap (consistency: half the teacher\'s training images over the '
+                                             'stages) (default: measured, docs/sampling.md)', at_least=1)
     first_stage_steps: int | None = flag(None, 'progressive: optimizer steps of the first stage, where the student '
-                                               'also learns to predict v from a teacher of eps (default: '
-                                               '--steps-per-stage)', at_least=1)
+                                               'also learns what its output means when the teacher predicts eps '
+                                               '(default: 1000)', at_least=1)
     stages: int = flag(8, 'consistency: stages, the gap t - r halving at each (ECT: 8 on CIFAR-10)', at_least=1,
                        at_most=30)
     ode_step: str = flag('auto', 'consistency: where z_r comes from: data (the same image and noise at r: '
@@ -83,8 +86,8 @@ class DistillConfig:
                          choices=ODE_STEPS)
     huber_c: float = flag(0.0, 'consistency: the distance sqrt(||a - b||^2 + c^2) - c (0: the L2 distance, '
                                'ECT\'s; iCT: 0.00054 sqrt(pixels))', at_least=0)
-    level_mean: float = flag(students.ECT_P_MEAN, 'consistency: the mean of ln s over the loss\'s pairs, s = '
-                                                  'sigma / alpha, EDM\'s noise level (ECT\'s P_mean: -1.1)')
+    level_mean: float = flag(0.0, 'consistency: the mean of ln s over the loss\'s pairs, s = sigma / alpha, EDM\'s '
+                                  'noise level (ECT\'s P_mean: -1.1; 0 measured better on digits: docs/sampling.md)')
     level_std: float = flag(students.ECT_P_STD, 'consistency: the spread of ln s over the pairs (ECT\'s P_std: 2)',
                             positive=True)
     mid_timestep: int = flag(400, 'consistency: the 2-call student\'s second timestep, where its first image is '
@@ -94,19 +97,22 @@ class DistillConfig:
     dropout: float | None = flag(None, 'consistency: the student\'s dropout, the same masks on both sides of the '
                                        'loss (default: the teacher\'s; progressive students have none)',
                                  at_least=0, below=1)
-    prediction: str = flag('v', 'what the student predicts: v = alpha eps - sigma x, or x (never eps: at t = T-1 '
-                                'x from eps divides by alpha = 0.006); the teacher keeps its own',
-                           choices=students.STUDENT_PREDICTIONS)
+    prediction: str | None = flag(None, 'what the student predicts: v = alpha eps - sigma x, or x (never eps: at '
+                                        't = T-1 x from eps divides by alpha = 0.006); the teacher keeps its own '
+                                        '(default: x for progressive from a guided teacher, else v; measured)',
+                                  choices=students.STUDENT_PREDICTIONS)
     guidance: float | None = flag(None, 'a class-conditional teacher\'s guidance scale (1: the conditional model '
                                         'alone, one pass; default 1); the student learns the guided output',
                                   at_least=0)
     batch_size: int | None = flag(None, 'images per step (default: the teacher\'s)', at_least=1)
-    lr: float | None = flag(None, 'Adam\'s learning rate at each stage\'s start, decayed linearly to 0 at its end '
-                                  '(default: the teacher\'s; the paper: 5e-5, a quarter of its teacher\'s, but its '
-                                  'first student kept its teacher\'s output: docs/sampling.md)', positive=True)
+    lr: float | None = flag(None, 'Adam\'s learning rate: progressive, at each stage\'s start, decayed linearly to '
+                                  '0 at its end (default: the teacher\'s; the paper: 5e-5, a quarter of its '
+                                  'teacher\'s); consistency, constant (default: a fifth of the teacher\'s, '
+                                  'measured; ECT: a tenth)', positive=True)
     grad_clip: float = flag(1.0, 'clip the global gradient norm to this (0: off)', at_least=0)
-    ema_decay: float = flag(0.0, 'EMA decay of the students (0, the paper\'s: none; the stage\'s student is its '
-                                 'last weights)', at_least=0, below=1)
+    ema_decay: float | None = flag(None, 'EMA decay of the students (0: none, the stage\'s student is its last '
+                                         'weights; default: 0 for progressive, the paper\'s; 0.998 for '
+                                         'consistency, measured)', at_least=0, below=1)
     data_dir: str | None = flag(None, 'the teacher\'s data set (default: the teacher\'s --data-dir)')
     num_workers: int = flag(4, 'DataLoader workers when the set does not fit in memory', at_least=0)
     log_every: int = flag(100, 'steps between metrics.jsonl rows', at_least=1)
@@ -182,7 +188,9 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
         if 'optimizer' not in ckpt or 'distill' not in ckpt:
             raise ConfigError(f'--resume {cfg.resume}: not a distill.py run (OUT/distill.pt): a student-N.pt is '
                               f'for sampling; a train.py checkpoint is a teacher, for --ckpt')
-        saved = DistillConfig(**ckpt['distill'])
+        # A run begun before --level-mean had its flag drew ECT's levels: resumed, it goes on with them.
+        saved = DistillConfig(**{'level_mean': students.ECT_P_MEAN, 'level_std': students.ECT_P_STD,
+                                 **ckpt['distill']})
         for name in sorted(given - set(CHANGEABLE_ON_RESUME)):
             if getattr(cfg, name) != getattr(saved, name) and not same_file(name, cfg.ckpt, saved.ckpt):
                 raise ConfigError(f'--{name.replace("_", "-")} {getattr(cfg, name)}: the run has '
@@ -212,15 +220,33 @@ def check_settings(cfg: DistillConfig, given: set) -> tuple:
     if cfg.guidance is not None and not classes:
         raise ConfigError(f'--guidance {cfg.guidance}: {cfg.ckpt} is an unconditional model (trained without '
                           f'--class-cond): it has no classes to guide towards')
-    lr = cfg.lr if cfg.lr is not None else teacher['lr']
     guidance = (1.0 if cfg.guidance is None else cfg.guidance) if classes else None
     ode_step = cfg.ode_step if cfg.ode_step != 'auto' else 'teacher' if guidance not in (None, 1.0) else 'data'
     if cfg.method == 'consistency' and ode_step == 'data' and guidance not in (None, 1.0):
         raise ConfigError(f'--ode-step data --guidance {guidance}: consistency training learns the data\'s own '
                           f'trajectories, unguided; a guided teacher\'s are learnt with --ode-step teacher')
-    return replace(cfg, guidance=guidance, lr=lr, ode_step=ode_step if cfg.method == 'consistency' else cfg.ode_step,
-                   batch_size=cfg.batch_size or teacher['batch_size'],
+    batch_size = cfg.batch_size or teacher['batch_size']
+    defaults = method_defaults(cfg.method, ckpt, batch_size, cfg.stages, guidance not in (None, 1.0))
+    return replace(cfg, **{name: value for name, value in defaults.items() if getattr(cfg, name) is None},
+                   guidance=guidance, ode_step=ode_step if cfg.method == 'consistency' else cfg.ode_step,
+                   batch_size=batch_size,
                    data_dir=cfg.data_dir if cfg.data_dir is not None else teacher['data_dir']), ckpt
+
+
+def method_defaults(method: str, ckpt: dict, batch_size: int, stages: int, guided: bool) -> dict:
+    """The settings a fresh run leaves to its method, each measured on digits (docs/sampling.md): progressive,
+    the teacher's learning rate, no EMA, and from a guided teacher x students, a first stage of 1,000 steps
+    and 400 per later one (its v student's first stage lost 15% to its target, the x student's 3%), from
+    an unguided one v students and 1,000 steps per stage (there x with the short stages lost 3% to 12%);
+    a consistency student tuned on half the teacher's training images over its stages, at a fifth of the
+    teacher's learning rate (better than a tenth and a twentieth), with an EMA of 0.998."""
+    teacher = ckpt['config']
+    if method == 'progressive':
+        return {'prediction': 'x' if guided else 'v', 'first_stage_steps': 1000,
+                'steps_per_stage': 400 if guided else 1000, 'lr': teacher['lr'], 'ema_decay': 0.0}
+    teacher_images = ckpt['step'] * teacher['batch_size']
+    return {'prediction': 'v', 'steps_per_stage': max(1, teacher_images // (2 * stages * batch_size)),
+            'lr': teacher['lr'] / 5, 'ema_decay': 0.998}
 
 
 def same_file(name: str, given: str, saved: str) -> bool:

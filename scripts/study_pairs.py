@@ -16,13 +16,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from few_step_study import SCORE, paired_ratio  # noqa: E402
 
+import students  # noqa: E402
 from cli import ConfigError, check_plain_name, flag, parse_config, run_main  # noqa: E402
 from files import check_creatable, check_writable  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
 # What tells the arms apart: the distill.py settings a screen moves.
 SETTINGS = ('lr', 'level_mean', 'level_std', 'ema_decay', 'dropout', 'huber_c', 'steps_per_stage', 'stages',
-            'first_stage_steps', 'batch_size')
+            'first_stage_steps', 'prediction', 'batch_size')
+# What a student made before a setting had its flag ran at (distill.py's constants then).
+BEFORE_ITS_FLAG = {'level_mean': students.ECT_P_MEAN, 'level_std': students.ECT_P_STD}
 
 
 @dataclass
@@ -45,7 +48,7 @@ def read_arm(path: str, family: str) -> dict:
         raise ConfigError(f'{path}: no such file') from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f'{path}: not a few_step_study report with a {family} family') from None
-    students = {name: {key: record['distill'].get(key) for key in SETTINGS}
+    students = {name: {key: record['distill'].get(key, BEFORE_ITS_FLAG.get(key)) for key in SETTINGS}
                 for name, record in made.get('students', {}).items()}
     return {'name': os.path.splitext(os.path.basename(path))[0], 'path': path, 'rows': rows,
             'device': report.get('device', ''),

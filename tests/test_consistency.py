@@ -209,13 +209,14 @@ def test_a_run_writes_one_student_of_one_and_two_calls_per_stage_keeping_its_opt
     assert one['student']['method'] == 'consistency' and one['student']['timesteps'] == [999]
     assert one['student']['ode_step'] == 'data' and one['student']['prediction'] == 'v'
     for name, tensor in one['ema'].items():
-        assert torch.equal(tensor, two['ema'][name]) and torch.equal(tensor, run['model'][name])
-    # The optimizer ran through both stages (6 steps, never reset) at a constant lr (ECT's).
+        assert torch.equal(tensor, two['ema'][name]) and torch.equal(tensor, run['ema'][name])
+    assert not torch.equal(one['ema']['conv_out.weight'], run['model']['conv_out.weight'])  # an EMA by default
+    # The optimizer ran through both stages (6 steps, never reset) at a constant lr (ECT's): a fifth of the teacher's.
     assert all(state['step'] == 6 for state in run['optimizer']['state'].values())
     trained = [row for row in rows(tuned) if row.get('kind') == 'train']
     teacher_lr = load(run['distill']['ckpt'])['config']['lr']
     assert one['model_config']['dropout'] == load(run['distill']['ckpt'])['model_config']['dropout']  # the teacher's
-    assert [row['step'] for row in trained] == [1, 2, 3, 4, 5, 6] and {row['lr'] for row in trained} == {teacher_lr}
+    assert [row['step'] for row in trained] == [1, 2, 3, 4, 5, 6] and {row['lr'] for row in trained} == {teacher_lr / 5}
     assert [row['stage'] for row in trained] == [0, 0, 0, 1, 1, 1]
     # The teacher stays the trained model; the student left it.
     teacher = load(run['distill']['ckpt'])['ema']
@@ -253,7 +254,30 @@ def test_the_pairs_levels_follow_the_lognormal_asked_for(teachers, tmp_path, mon
     assert distill.cli(consistency_args(teachers['uncond'], tmp_path / 'run', '--stages', '1', '--steps-per-stage',
                                         '2', '--level-mean', '1.5', '--level-std', '0.75')) == 0
     assert drawn == [(1.5, 0.75)] * 2
-    assert distill.DistillConfig().level_mean == students.ECT_P_MEAN
+    assert distill.DistillConfig().level_mean == 0.0  # measured better than ECT's -1.1 on digits
+
+
+def test_each_method_fills_its_measured_defaults_and_a_flag_given_wins(teachers, tmp_path):
+    # Progressive: the teacher's lr, no EMA; guided, x students, a first stage of 1,000 steps and 400 after; unguided,
+    # v and 1,000 steps a stage. Consistency: v, half the teacher's training images over the stages, a fifth of
+    # its lr, an EMA of 0.998.
+    teacher = load(teachers['uncond'])
+    images = teacher['step'] * teacher['config']['batch_size']
+    cfg, _ = distill.check_settings(distill.DistillConfig(ckpt=teachers['uncond'], out_dir=str(tmp_path)), set())
+    assert (cfg.prediction, cfg.first_stage_steps, cfg.steps_per_stage, cfg.lr, cfg.ema_decay) == (
+        'v', 1000, 1000, teacher['config']['lr'], 0.0)
+    for guidance, expected in ((1.5, ('x', 1000, 400)), (1.0, ('v', 1000, 1000))):
+        cfg, _ = distill.check_settings(distill.DistillConfig(ckpt=teachers['cond'], guidance=guidance,
+                                                              out_dir=str(tmp_path)), set())
+        assert (cfg.prediction, cfg.first_stage_steps, cfg.steps_per_stage) == expected, guidance
+    cfg, _ = distill.check_settings(distill.DistillConfig(ckpt=teachers['uncond'], method='consistency', stages=2,
+                                                          batch_size=4, out_dir=str(tmp_path)), set())
+    assert (cfg.prediction, cfg.steps_per_stage, cfg.lr, cfg.ema_decay, cfg.first_stage_steps) == (
+        'v', max(1, images // (2 * 2 * 4)), teacher['config']['lr'] / 5, 0.998, None)
+    cfg, _ = distill.check_settings(distill.DistillConfig(ckpt=teachers['uncond'], method='consistency', lr=1e-3,
+                                                          ema_decay=0.0, steps_per_stage=7, prediction='x',
+                                                          out_dir=str(tmp_path)), set())
+    assert (cfg.prediction, cfg.steps_per_stage, cfg.lr, cfg.ema_decay) == ('x', 7, 1e-3, 0.0)
 
 
 def test_resume_is_exact_within_a_stage_and_across_its_end(teachers, tuned, tmp_path, monkeypatch):
@@ -357,6 +381,7 @@ def test_the_study_scores_consistency_students_beside_progressive_ones_and_sweep
     monkeypatch.setattr(few_step_study.evaluation, 'DigitsJudge', StandInJudge)
     progressive = tmp_path / 'progressive'
     assert distill.cli(['--ckpt', teachers['uncond'], '--teacher-steps', '2', '--steps-per-stage', '1',
+                        '--first-stage-steps', '1',
                         '--batch-size', '8', '--num-workers', '0', '--device', 'cpu', '--out-dir',
                         str(progressive)]) == 0
     seen = spy_on_unet(monkeypatch, lambda x, t, labels: sorted(set(t.tolist())))

@@ -18,9 +18,12 @@ SCHED = diffusion.make_schedule(1000)
 
 
 def distill_args(teacher, out, *extra):
-    """Two stages of three steps (a teacher of 4 steps, students of 2 and 1), batch 8, 8x8 digits."""
+    """Two stages of three steps (a teacher of 4 steps, students of 2 and 1), batch 8, 8x8 digits; every stage
+    of --steps-per-stage steps unless --first-stage-steps is given."""
+    steps = extra[extra.index('--steps-per-stage') + 1] if '--steps-per-stage' in extra else '3'
+    first = [] if '--first-stage-steps' in extra else ['--first-stage-steps', steps]
     return ['--ckpt', teacher, '--teacher-steps', '4', '--steps-per-stage', '3', '--batch-size', '8',
-            '--num-workers', '0', '--log-every', '1', '--device', 'cpu', '--out-dir', str(out), *extra]
+            '--num-workers', '0', '--log-every', '1', '--device', 'cpu', '--out-dir', str(out), *first, *extra]
 
 
 @pytest.fixture(scope='module')
@@ -366,7 +369,7 @@ def test_a_guided_teacher_runs_both_halves_and_its_student_one_pass(teachers, tm
 
 def test_a_later_stages_teacher_is_the_last_student_read_as_students_are(teachers, tmp_path, monkeypatch):
     # Stage 0's teacher is the trained model: its own prediction (eps), guided in two halves. From stage 1
-    # on, the teacher is the last student: its output read as v (--prediction), one pass told the label
+    # on, the teacher is the last student: its output read as it predicts (--prediction), one pass told the label
     # (it learnt the guided output; guiding it again would guide twice).
     read_as, loss = [], distill.distillation_loss
 
@@ -375,7 +378,11 @@ def test_a_later_stages_teacher_is_the_last_student_read_as_students_are(teacher
         return loss(student, teacher, sched, x0, steps, prediction, teacher_prediction, **kwargs)
     monkeypatch.setattr(distill, 'distillation_loss', spy)
     assert distill.cli(distill_args(teachers['uncond'], tmp_path / 'plain', '--steps-per-stage', '2')) == 0
-    assert read_as == [(2, 'eps'), (2, 'eps'), (1, 'v'), (1, 'v')]
+    assert read_as == [(2, 'eps'), (2, 'eps'), (1, 'v'), (1, 'v')]  # v: the unguided default
+    read_as.clear()
+    assert distill.cli(distill_args(teachers['uncond'], tmp_path / 'as-x', '--steps-per-stage', '1',
+                                    '--prediction', 'x')) == 0
+    assert read_as == [(2, 'eps'), (1, 'x')]
     calls, forward = [], model.UNet.forward
 
     def count(self, x, t, labels=None):

@@ -223,8 +223,9 @@ def test_peer_solvers_run_diffusers_schedulers_on_our_noise(name, monkeypatch):
     assert np.isclose(peers.peer_scheduler(name, SCHED).betas[-1].item(), 0.02)
 
 
-def test_a_student_exports_to_ddim_pipeline_and_loads_back(tmp_path, monkeypatch):
-    # A 2-step v-student: diffusers' DDIMPipeline from the exported folder ('trailing', v_prediction,
+@pytest.mark.parametrize('prediction, theirs_named', [('v', 'v_prediction'), ('x', 'sample')])
+def test_a_student_exports_to_ddim_pipeline_and_loads_back(prediction, theirs_named, tmp_path, monkeypatch):
+    # A 2-step v- or x-student: diffusers' DDIMPipeline from the exported folder ('trailing', v_prediction or sample,
     # set_alpha_to_one, 2 steps) draws its images from the same noise as our student sampler, in float64;
     # sample.py draws the same from the checkpoint and from the folder; 16-step students are refused.
     diffusers = pytest.importorskip('diffusers', reason=NO_DIFFUSERS)
@@ -235,8 +236,8 @@ def test_a_student_exports_to_ddim_pipeline_and_loads_back(tmp_path, monkeypatch
     net = UNet(get_config('tiny', image_size=8, in_channels=1, channel_mults=(1, 2))).eval()
     for p in net.parameters():  # away from the zero-initialised start, so that the network matters
         p.data += 0.05 * torch.randn_like(p)
-    record = {'steps': 2, 'grid': 'trailing', 'timesteps': students.student_timesteps(2), 'prediction': 'v',
-              'guidance': None}
+    record = {'steps': 2, 'grid': 'trailing', 'timesteps': students.student_timesteps(2),
+              'prediction': prediction, 'guidance': None}
     ckpt = tmp_path / 'student-2.pt'
     torch.save({'model': net.state_dict(), 'ema': net.state_dict(), 'config': {'schedule': 'linear'},
                 'model_config': dict(vars(net.config)), 'model_version': MODEL_VERSION, 'student': record, 'step': 1},
@@ -245,13 +246,13 @@ def test_a_student_exports_to_ddim_pipeline_and_loads_back(tmp_path, monkeypatch
     assert sample.cli(['--ckpt', str(ckpt), '--export-diffusers', str(folder), '--device', 'cpu']) == 0
     pipe = diffusers.DDIMPipeline.from_pretrained(folder).to(torch.float64)
     assert pipe.scheduler.config.timestep_spacing == 'trailing'
-    assert pipe.scheduler.config.prediction_type == 'v_prediction'
+    assert pipe.scheduler.config.prediction_type == theirs_named
     pipe.scheduler.alphas_cumprod = SCHED.alphas_cumprod.clone()  # their float32 table in float64
     pipe.set_progress_bar_config(disable=True)
     theirs = pipe(batch_size=3, num_inference_steps=2, generator=torch.Generator().manual_seed(5), eta=0.0,
                   output_type='np').images
     ours = students.student_sample(net.double(), SCHED, (3, 1, 8, 8), 2, torch.Generator().manual_seed(5),
-                                   dtype=torch.float64, prediction='v')
+                                   dtype=torch.float64, prediction=prediction)
     assert np.abs(theirs - (ours / 2 + 0.5).permute(0, 2, 3, 1).numpy()).max() < 1e-10
     assert ours.std() > 0.05
     drawn = {}
