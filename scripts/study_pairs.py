@@ -99,7 +99,8 @@ def pair_rows(arms: list) -> list:
     base, out = arms[0], []
     for arm in arms:
         teacher = best_at_20(arm['rows'])
-        for name in sorted({row['model'] for row in arm['rows'] if row['model'] != 'teacher'}):
+        calls = {row['model']: row['calls'] for row in arm['rows'] if row['model'] != 'teacher'}
+        for name in sorted(calls, key=lambda name: (-calls[name], name)):  # most calls first
             group = [row for row in arm['rows'] if row['model'] == name]
             scores = [row[SCORE] for row in group]
             base_scores = by_seed(base['rows'], name)
