@@ -132,7 +132,8 @@ def pairs(cfg: PairsConfig) -> dict:
     arms = check(cfg)
     rows = pair_rows(arms)
     # The scores were made where the arms' reports say (their device); this only pairs them.
-    result = {**provenance(f'the scores of reports made on: {arms[0]["device"]}'), 'config': vars(cfg).copy(), 'rows': rows}
+    result = {**provenance(f'the scores of reports made on: {arms[0]["device"]}'), 'config': vars(cfg).copy(),
+              'rows': rows}
     write_report(cfg.out_dir, cfg.stem, result, 'distill.py settings, paired by seed', body_of(arms, rows))
     print(body_of(arms, rows))
     return result

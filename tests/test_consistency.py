@@ -255,6 +255,13 @@ def test_the_pairs_levels_follow_the_lognormal_asked_for(teachers, tmp_path, mon
                                         '2', '--level-mean', '1.5', '--level-std', '0.75')) == 0
     assert drawn == [(1.5, 0.75)] * 2
     assert distill.DistillConfig().level_mean == 0.0  # measured better than ECT's -1.1 on digits
+    # A run begun before the flags existed (its checkpoint without them) resumes with the levels it drew: ECT's.
+    ckpt = load(tmp_path / 'run' / 'distill.pt')
+    for name in ('level_mean', 'level_std'):
+        del ckpt['distill'][name]
+    torch.save(ckpt, tmp_path / 'old.pt')
+    cfg, _ = distill.check_settings(distill.DistillConfig(resume=str(tmp_path / 'old.pt')), {'resume'})
+    assert (cfg.level_mean, cfg.level_std) == (students.ECT_P_MEAN, students.ECT_P_STD)
 
 
 def test_each_method_fills_its_measured_defaults_and_a_flag_given_wins(teachers, tmp_path):

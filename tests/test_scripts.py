@@ -42,7 +42,8 @@ def test_the_digits_score_check_orders_its_sets(tmp_path, digits_cache, monkeypa
     monkeypatch.chdir(tmp_path)  # its report goes under runs/ by default, never into results/
     assert digits_score.main(['--image-size', '8', '--data-dir', digits_cache]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
-    rows = {r['set']: r for r in json.loads((tmp_path / 'runs' / 'digits-score' / 'digits-score-8.json').read_text())['rows']}
+    report = tmp_path / 'runs' / 'digits-score' / 'digits-score-8.json'
+    rows = {r['set']: r for r in json.loads(report.read_text())['rows']}
     for key in ('digits_fd', 'digits_class_fd'):  # the plain FD and the score that decides, from one run
         floor = rows['held-out digits (the floor)'][key]
         assert rows['uniform noise'][key] > 5 * floor and rows['held-out digits, pixels shuffled'][key] > 5 * floor
