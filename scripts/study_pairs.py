@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from few_step_study import SCORE, paired_ratio  # noqa: E402
+from few_step_study import SCORE, paired_ratio, summarise  # noqa: E402
 
 import students  # noqa: E402
 from cli import ConfigError, check_plain_name, flag, parse_config, run_main  # noqa: E402
@@ -84,13 +84,10 @@ def by_seed(rows: list, model: str) -> dict:
 
 
 def best_at_20(rows: list) -> dict:
-    """The teacher's solver at 20 calls with the lowest mean score: its scores by seed."""
-    solvers = {row['sampler'] for row in rows if row['model'] == 'teacher' and row['calls'] == 20}
-    if not solvers:
-        return {}
-    scores = {s: {r['seed']: r[SCORE] for r in rows if r['model'] == 'teacher' and r['calls'] == 20
-                  and r['sampler'] == s} for s in solvers}
-    return scores[min(scores, key=lambda s: statistics.mean(scores[s].values()))]
+    """The teacher's best solver at 20 calls, as the study chose it (few_step_study.summarise): its scores by seed."""
+    best = next((row['best_at_20'] for row in summarise(rows) if row['best_at_20']), None)
+    return {r['seed']: r[SCORE] for r in rows if r['model'] == 'teacher' and r['calls'] == 20
+            and r['sampler'] == best} if best else {}
 
 
 def pair_rows(arms: list) -> list:
@@ -134,8 +131,9 @@ def pairs(cfg: PairsConfig) -> dict:
     # The scores were made where the arms' reports say (their device); this only pairs them.
     result = {**provenance(f'the scores of reports made on: {arms[0]["device"]}'), 'config': vars(cfg).copy(),
               'rows': rows}
-    write_report(cfg.out_dir, cfg.stem, result, 'distill.py settings, paired by seed', body_of(arms, rows))
-    print(body_of(arms, rows))
+    body = body_of(arms, rows)
+    write_report(cfg.out_dir, cfg.stem, result, 'distill.py settings, paired by seed', body)
+    print(body)
     return result
 
 

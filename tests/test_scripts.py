@@ -353,7 +353,8 @@ def study_report(path, teacher_sha, scores, lr, seeds=(0, 1)):
     """A few_step_study JSON as the study writes it: score rows per (model, solver, calls, seed) and what made
     each model. `scores`: {(model, solver, calls): [score per seed]}."""
     import few_step_study
-    rows = [{'model': model, 'sampler': solver, 'calls': calls, 'seed': seed, few_step_study.SCORE: value}
+    rows = [{'model': model, 'sampler': solver, 'calls': calls, 'evaluations': calls, 'seed': seed,
+             few_step_study.SCORE: value}
             for (model, solver, calls), values in scores.items() for seed, value in zip(seeds, values)]
     students = {model: {'distill': {'lr': lr, 'ema_decay': 0.0}} for model, _, _ in scores if model != 'teacher'}
     path.write_text(json.dumps({'device': 'CPU', 'scores': {'unconditional': rows}, 'made_by': {
