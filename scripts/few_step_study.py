@@ -271,31 +271,37 @@ def t_quantile(dof: int) -> float:
 def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows: list):
     """img/s of DPM-Solver++ at 20 calls (guided: both halves each) and of each student, at batch 1 (latency:
     --latency-images one at a time) and at --speed-batch (throughput), eager and with --compile compiled; the median
-    of --speed-repeats timed runs after an untimed one."""
+    of --speed-repeats timed runs after an untimed one. The runs are interleaved, one of every row a round, so a
+    machine that speeds up or slows down moves every row of a ratio alike."""
     candidates = [('teacher', 'dpm++', 20, family['teacher'], {})] + student_runs(family)
     for compiled in (False, True) if args.compile else (False,):
+        cases = []
         for name, sampler, n, (net, config, sched, prediction), more in candidates:
             runner = torch.compile(net) if compiled else net
             for batch in (1, args.speed_batch):
-                count = args.latency_images if batch == 1 else batch
-                sampling = Sampling(num=count, batch_size=batch, sampler=sampler, steps=n, seed=0,
+                sampling = Sampling(num=args.latency_images if batch == 1 else batch, batch_size=batch,
+                                    sampler=sampler, steps=n, seed=0,
                                     guidance=1.0 if name != 'teacher' else (guidance or 1.0), **more)
-                times = []
-                for repeat in range(1 + args.speed_repeats):
-                    with stop.interruptible():
-                        synchronize(device)
-                        start = time.perf_counter()
-                        for first in range(0, count, batch):
-                            draw_batch(runner, sched.to(device), sampling, device, first, config, prediction)
-                        synchronize(device)
-                    if repeat:  # the first run warms up (and compiles)
-                        times.append(time.perf_counter() - start)
-                rows.append({'model': name, 'sampler': sampler, 'calls': n, 'batch': batch, 'compiled': compiled,
-                             'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
-                             'images': count, 'img_per_s': count / statistics.median(times), 'seconds': times})
-                print(f"{name} ({n} calls) batch {batch}{' compiled' if compiled else ''}: "
-                      f"{rows[-1]['img_per_s']:.1f} img/s", flush=True)
-                write()
+                cases.append((name, n, batch, (runner, sched.to(device), sampling, config, prediction)))
+        times = [[] for _ in cases]
+        for repeat in range(1 + args.speed_repeats):  # the first round warms up (and compiles)
+            for (name, n, batch, (runner, sched, sampling, config, prediction)), kept in zip(cases, times):
+                with stop.interruptible():
+                    synchronize(device)
+                    start = time.perf_counter()
+                    for first in range(0, sampling.num, batch):
+                        draw_batch(runner, sched, sampling, device, first, config, prediction)
+                    synchronize(device)
+                if repeat:
+                    kept.append(time.perf_counter() - start)
+        for (name, n, batch, (_, _, sampling, _, _)), kept in zip(cases, times):
+            rows.append({'model': name, 'sampler': sampling.sampler, 'calls': n, 'batch': batch, 'compiled': compiled,
+                         'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+                         'images': sampling.num, 'img_per_s': sampling.num / statistics.median(kept),
+                         'seconds': kept})
+            print(f"{name} ({n} calls) batch {batch}{' compiled' if compiled else ''}: "
+                  f"{rows[-1]['img_per_s']:.1f} img/s", flush=True)
+        write()
 
 
 # ----------------------------------------------------------------------------- the study

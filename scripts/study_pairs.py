@@ -22,8 +22,11 @@ from files import check_creatable, check_writable  # noqa: E402
 from reports import markdown_table, provenance, write_report  # noqa: E402
 
 # What tells the arms apart: the distill.py settings a screen moves.
-SETTINGS = ('lr', 'level_mean', 'level_std', 'ema_decay', 'dropout', 'huber_c', 'steps_per_stage', 'stages',
-            'first_stage_steps', 'prediction', 'batch_size')
+SETTINGS = ('lr', 'level_mean', 'level_std', 'ode_step', 'ema_decay', 'dropout', 'huber_c', 'steps_per_stage',
+            'stages', 'first_stage_steps', 'prediction', 'batch_size')
+# The settings that one method alone reads (blank for the other's students, whatever their config holds).
+METHOD_OF = {'level_mean': 'consistency', 'level_std': 'consistency', 'ode_step': 'consistency',
+             'huber_c': 'consistency', 'stages': 'consistency', 'first_stage_steps': 'progressive'}
 # What a student made before a setting had its flag ran at (distill.py's constants then).
 BEFORE_ITS_FLAG = {'level_mean': students.ECT_P_MEAN, 'level_std': students.ECT_P_STD}
 
@@ -48,11 +51,17 @@ def read_arm(path: str, family: str) -> dict:
         raise ConfigError(f'{path}: no such file') from None
     except (OSError, ValueError, KeyError, TypeError):
         raise ConfigError(f'{path}: not a few_step_study report with a {family} family') from None
-    students = {name: {key: record['distill'].get(key, BEFORE_ITS_FLAG.get(key)) for key in SETTINGS}
-                for name, record in made.get('students', {}).items()}
+    students = {name: settings_of(record['distill']) for name, record in made.get('students', {}).items()}
     return {'name': os.path.splitext(os.path.basename(path))[0], 'path': path, 'rows': rows,
             'device': report.get('device', ''),
             'teacher': made['teacher']['sha256'], 'students': students}
+
+
+def settings_of(config: dict) -> dict:
+    """The SETTINGS of a student's distill.py config that its method reads ('' for the others)."""
+    method = config.get('method', 'progressive')
+    return {key: config.get(key, BEFORE_ITS_FLAG.get(key)) if METHOD_OF.get(key, method) == method else ''
+            for key in SETTINGS}
 
 
 def check(cfg: PairsConfig) -> list:

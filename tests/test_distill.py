@@ -492,6 +492,27 @@ def test_the_studys_quick_form_times_every_repeat_and_draws_the_picture_alone(te
     assert (tmp_path / 'p.png').exists() and not drawn['scores'] and not drawn['speed']
 
 
+def test_the_studys_timed_runs_take_turns_so_a_drifting_machine_moves_every_row_alike(teachers, whole, tmp_path,
+                                                                                       monkeypatch):
+    import json
+
+    import few_step_study
+    drawn = []
+
+    def recording(model, sched, sampling, device, first, config, prediction):
+        drawn.append((sampling.steps, sampling.batch_size))
+        return few_step_study.torch.zeros(1)
+    monkeypatch.setattr(few_step_study, 'draw_batch', recording)
+    assert few_step_study.main(['--teacher', teachers['uncond'], '--students', str(whole), '--device', 'cpu',
+                                '--quick', '--speed-batch', '2', '--speed-repeats', '2', '--latency-images', '1',
+                                '--out-dir', str(tmp_path / 'q')]) == 0
+    rows = [(20, 1), (20, 2), (2, 1), (2, 2), (1, 1), (1, 2)]  # teacher, student-2, student-1; batch 1, then 2
+    assert drawn == rows * 3  # a warm-up round, then two timed rounds, each running every row once
+    timed = json.load(open(tmp_path / 'q' / 'cpu-digits-few-step.json'))['speed']['unconditional']
+    assert [(r['calls'], r['batch'], len(r['seconds'])) for r in timed] == [row + (2,) for row in rows]
+    assert [r['sampler'] for r in timed] == ['dpm++'] * 2 + ['student'] * 4
+
+
 def teacher_rows(solver, calls, fds):
     return [{'model': 'teacher', 'sampler': solver, 'calls': calls, 'seed': s, 'digits_class_fd': fd,
              'evaluations': calls} for s, fd in enumerate(fds)]

@@ -383,6 +383,19 @@ def test_study_pairs_pairs_each_arms_students_by_seed_with_the_base_and_the_teac
         out / 'screen.md').read_text()
 
 
+def test_study_pairs_shows_each_student_the_settings_its_method_reads():
+    import study_pairs
+    shared = {'lr': 4e-4, 'level_mean': 0.0, 'ode_step': 'teacher', 'stages': 8, 'first_stage_steps': 1000}
+    consistency = study_pairs.settings_of({**shared, 'method': 'consistency'})
+    progressive = study_pairs.settings_of({**shared, 'method': 'progressive'})
+    assert consistency['ode_step'] == 'teacher' and consistency['stages'] == 8 and consistency['level_mean'] == 0.0
+    assert consistency['first_stage_steps'] == '' and progressive['first_stage_steps'] == 1000
+    assert progressive['lr'] == consistency['lr'] == 4e-4
+    assert all(progressive[key] == '' for key in ('level_mean', 'level_std', 'ode_step', 'huber_c', 'stages'))
+    old = study_pairs.settings_of({'lr': 2e-4, 'method': 'consistency'})  # made before --level-mean had its flag
+    assert (old['level_mean'], old['level_std']) == (study_pairs.students.ECT_P_MEAN, study_pairs.students.ECT_P_STD)
+
+
 @pytest.mark.parametrize('case', ['teacher', 'seeds', 'missing', 'junk', 'required'])
 def test_study_pairs_refuses_arms_that_do_not_pair_in_one_line(case, tmp_path, capsys):
     import study_pairs
