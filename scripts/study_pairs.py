@@ -23,7 +23,7 @@ from reports import markdown_table, provenance, write_report  # noqa: E402
 
 # What tells the arms apart: the distill.py settings a screen moves.
 SETTINGS = ('lr', 'level_mean', 'level_std', 'ode_step', 'ema_decay', 'dropout', 'huber_c', 'steps_per_stage',
-            'stages', 'first_stage_steps', 'prediction', 'batch_size')
+            'stages', 'first_stage_steps', 'prediction', 'batch_size', 'seed')
 # The settings that one method alone reads (blank for the other's students, whatever their config holds).
 METHOD_OF = {'level_mean': 'consistency', 'level_std': 'consistency', 'ode_step': 'consistency',
              'huber_c': 'consistency', 'stages': 'consistency', 'first_stage_steps': 'progressive'}
