@@ -77,6 +77,9 @@ class StudyConfig:
     latency_images: int = flag(32, 'images drawn one at a time for the batch-1 img/s rows', at_least=1)
     speed_repeats: int = flag(3, 'timed runs per img/s row (the median is kept), after one untimed', at_least=1)
     compile: bool = flag(False, 'also time torch.compile\'d networks (minutes of compiling on a CPU)')
+    compile_mode: str = flag('default', 'torch.compile\'s mode for --compile (reduce-overhead: CUDA graphs)',
+                             choices=('default', 'reduce-overhead', 'max-autotune'))
+    speed_calls: str = flag('20', 'the teacher\'s DPM-Solver++ calls in the img/s rows, comma-separated')
     quick: bool = flag(False, 'no scores: the img/s rows alone (--speed-repeats timed runs per row) and the picture '
                               'if asked; a GPU\'s short window')
     recompute: bool = flag(False, 'no sampling: the report again from OUT_DIR/STEM.json\'s rows (after a change to '
@@ -269,15 +272,16 @@ def t_quantile(dof: int) -> float:
 # ----------------------------------------------------------------------------- speed
 
 def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows: list):
-    """img/s of DPM-Solver++ at 20 calls (guided: both halves each) and of each student, at batch 1 (latency:
+    """img/s of DPM-Solver++ at --speed-calls (guided: both halves each) and of each student, at batch 1 (latency:
     --latency-images one at a time) and at --speed-batch (throughput), eager and with --compile compiled; the median
     of --speed-repeats timed runs after an untimed one. The runs are interleaved, one of every row a round, so a
     machine that speeds up or slows down moves every row of a ratio alike."""
-    candidates = [('teacher', 'dpm++', 20, family['teacher'], {})] + student_runs(family)
+    candidates = [('teacher', 'dpm++', n, family['teacher'], {}) for n in int_list(args.speed_calls, '--speed-calls')]
+    candidates += student_runs(family)
     for compiled in (False, True) if args.compile else (False,):
         cases = []
         for name, sampler, n, (net, config, sched, prediction), more in candidates:
-            runner = torch.compile(net) if compiled else net
+            runner = torch.compile(net, mode=args.compile_mode) if compiled else net
             for batch in (1, args.speed_batch):
                 sampling = Sampling(num=args.latency_images if batch == 1 else batch, batch_size=batch,
                                     sampler=sampler, steps=n, seed=0,
@@ -309,6 +313,7 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
 def study(args: StudyConfig):
     check_ranges(args)
     calls, seeds = int_list(args.calls, '--calls'), parse_seeds(args.seeds)
+    int_list(args.speed_calls, '--speed-calls')  # refused here, before any model is loaded
     mids = int_list(args.mid_timesteps, '--mid-timesteps') if args.mid_timesteps else []
     if any(not 0 <= mid <= 998 for mid in mids):
         raise ConfigError(f'--mid-timesteps {args.mid_timesteps}: each a timestep in 0..998')

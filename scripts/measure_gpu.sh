@@ -32,6 +32,11 @@
 #   loaders   images/s of each data path beside the step's consumption
 #   sweep     batch sizes 128, 512 and 2048 around the fastest default-compile row
 #   small     the ladder for the ~9M `small` preset
+#   fewstep   sampling speed of the digits teacher (DPM-Solver++ at 4, 8 and 20 calls) and its default
+#             students (each at its own calls), batch 1 and 1000, eager (bf16 autocast) and compiled, then
+#             compiled with CUDA graphs (reduce-overhead); from $FEW_STEP_DIR (runs/gpu-few-step unless
+#             set: teacher-uncond.pt and uncond/, optionally teacher-cond.pt and cond/; results/NOTES.md
+#             packs it), carried with the working tree
 #   all       every part above in turn (the --quick test runs this)
 #
 # The GPU image lacks diffusers, torchinfo and torch-fidelity: they travel as pure-Python wheels
@@ -39,7 +44,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: -d .whl \
 #       diffusers==0.42.1 torchinfo==1.8.0 torch-fidelity==0.4.0
 set -euo pipefail
-PARTS=(step knobs headline profile ladder gputests autotune graphs quality loaders sweep small)
+PARTS=(step knobs headline profile ladder gputests autotune graphs quality loaders sweep small fewstep)
 usage="usage: bash scripts/measure_gpu.sh $(IFS='|'; echo "${PARTS[*]}")|all OUT_DIR [--quick]"
 # Every argument is checked before anything is written: a refused call leaves no folder and no file.
 [ $# -ge 2 ] && [ $# -le 3 ] && [[ " ${PARTS[*]} all " == *" $1 "* ]] && [[ "${3:-}" =~ ^(--quick)?$ ]] || {
@@ -76,6 +81,8 @@ if [ "$quick" = "--quick" ]; then
   sweep_values=4,8,16
   train_flags=(--device cpu --preset tiny --image-size 16 --steps 6 --log-every 3)
   step_train=(--device cpu --preset tiny --image-size 16 --batch-size 8 --shapes-count 64 --steps 6 --log-every 3)
+  fewstep_flags=(--device cpu --speed-batch 2 --latency-images 2 --speed-repeats 1)  # eager: Inductor's C++
+  fewstep_modes=(default)                                                            # build takes minutes
 else
   for pin in "${PINNED[@]}"; do
     name=${pin%%==*}; version=${pin##*==}
@@ -104,6 +111,8 @@ import diffusers, torch_fidelity, torchinfo  # they must import with the image'"
   sweep_values=128,512,2048  # each size compiles anew: three fit in one 10-minute command
   train_flags=(--device cuda --steps 600 --log-every 100)
   step_train=(--device cuda --batch-size 512 --shapes-count 16384 --steps 300 --log-every 50)  # ~30 s of steps
+  fewstep_flags=(--device cuda --compile --speed-batch 1000 --latency-images 32 --speed-repeats 5)
+  fewstep_modes=(default reduce-overhead)
 fi
 mkdir -p "$out"
 
@@ -192,6 +201,21 @@ run_part() {
     loaders)  bench loaders loaders --loader-only ;;
     sweep)    bench sweep sweep --sweep batch --sweep-values "$sweep_values" --iters 20 ;;
     small)    preset=$small_preset bench small small --rows "$small_rows" --no-peer --no-sampling ;;
+    fewstep)  local dir=${FEW_STEP_DIR:-runs/gpu-few-step} log=$out/fewstep.log family=() status mode
+              [ -f "$dir/teacher-uncond.pt" ] && [ -d "$dir/uncond" ] || {
+                echo "error: $dir lacks teacher-uncond.pt and uncond/ (the digits teacher and its students:" \
+                     "results/NOTES.md packs them; FEW_STEP_DIR names another folder)" | tee -a "$log" >&2; exit 2; }
+              if [ -f "$dir/teacher-cond.pt" ] && [ -d "$dir/cond" ]; then
+                family=(--cond-teacher "$dir/teacher-cond.pt" --cond-students "$dir/cond")
+              fi
+              for mode in "${fewstep_modes[@]}"; do  # each mode its share of the limit; a cut keeps the
+                status=0                               # families finished (the JSON is written after each)
+                timeout --kill-after=15 $((limit / ${#fewstep_modes[@]})) python3 scripts/few_step_study.py \
+                  --teacher "$dir/teacher-uncond.pt" --students "$dir/uncond" ${family[@]+"${family[@]}"} --quick \
+                  --speed-calls 4,8,20 "${fewstep_flags[@]}" --compile-mode "$mode" --data-dir "$scratch/data" \
+                  --out-dir "$out" --stem "fewstep-$mode" 2>&1 | tee -a "$log" || status=$?
+                ended "$log" "$status" $((limit / ${#fewstep_modes[@]})) "fewstep-$mode.json holds the families finished"
+              done ;;
     *) echo "$usage" >&2; exit 2 ;;
   esac
 }

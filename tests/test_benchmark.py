@@ -27,6 +27,7 @@ from model import PRESETS, get_config
 
 ROW_FIELDS = {'name', 'batch_size', 'precision', 'ms_per_iter', 'img_per_s', 'tflops', 'mfu', 'mfu_a100',
               'speedup', 'peak_mem_gb', 'compile_s'}
+# measure_gpu.sh's parts but `fewstep`, whose quick run needs a teacher and its students: tests/test_distill.py
 PARTS = ['step', 'knobs', 'headline', 'profile', 'ladder', 'gputests', 'autotune', 'graphs', 'quality', 'loaders',
          'sweep', 'small']
 

@@ -511,6 +511,35 @@ def test_the_studys_timed_runs_take_turns_so_a_drifting_machine_moves_every_row_
     timed = json.load(open(tmp_path / 'q' / 'cpu-digits-few-step.json'))['speed']['unconditional']
     assert [(r['calls'], r['batch'], len(r['seconds'])) for r in timed] == [row + (2,) for row in rows]
     assert [r['sampler'] for r in timed] == ['dpm++'] * 2 + ['student'] * 4
+    assert few_step_study.main(['--teacher', teachers['uncond'], '--quick', '--speed-calls', '4,0', '--device', 'cpu',
+                                '--out-dir', str(tmp_path / 'bad')]) == 2 and not (tmp_path / 'bad').exists()
+
+
+def test_the_gpu_scripts_few_step_part_times_the_carried_teacher_and_students(teachers, whole, tmp_path):
+    # bash scripts/measure_gpu.sh fewstep OUT --quick: the GPU part's wiring on the CPU, from a packed folder.
+    import json
+    import shutil
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    packed = tmp_path / 'packed'
+    (packed / 'uncond').mkdir(parents=True)
+    shutil.copy(teachers['uncond'], packed / 'teacher-uncond.pt')
+    for name in ('student-2.pt', 'student-1.pt'):
+        shutil.copy(whole / name, packed / 'uncond' / name)
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'FEW_STEP_DIR': str(packed)}
+    run = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'fewstep', str(tmp_path / 'out'), '--quick'], cwd=root,
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = json.loads((tmp_path / 'out' / 'fewstep-default.json').read_text())['speed']['unconditional']
+    assert [(r['model'], r['calls'], r['batch']) for r in rows] == [
+        (model, calls, batch) for model, calls in (('teacher', 4), ('teacher', 8), ('teacher', 20), ('student-2', 2),
+                                                   ('student-1', 1)) for batch in (1, 2)]
+    assert sorted(p.name for p in (tmp_path / 'out').iterdir()) == [
+        'fewstep-default.json', 'fewstep-default.md', 'fewstep-environment.txt', 'fewstep.log']
+    env['FEW_STEP_DIR'] = str(tmp_path / 'nothing')
+    refused = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'fewstep', str(tmp_path / 'out2'), '--quick'],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and 'lacks teacher-uncond.pt' in refused.stderr
 
 
 def teacher_rows(solver, calls, fds):
