@@ -287,7 +287,7 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
                                     sampler=sampler, steps=n, seed=0,
                                     guidance=1.0 if name != 'teacher' else (guidance or 1.0), **more)
                 cases.append((name, n, batch, (runner, sched.to(device), sampling, config, prediction)))
-        times = [[] for _ in cases]
+        times, before = [[] for _ in cases], len(rows)
         for repeat in range(1 + args.speed_repeats):  # the first round warms up (and compiles)
             for (name, n, batch, (runner, sched, sampling, config, prediction)), kept in zip(cases, times):
                 with stop.interruptible():
@@ -298,14 +298,20 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
                     synchronize(device)
                 if repeat:
                     kept.append(time.perf_counter() - start)
-        for (name, n, batch, (_, _, sampling, _, _)), kept in zip(cases, times):
-            rows.append({'model': name, 'sampler': sampling.sampler, 'calls': n, 'batch': batch, 'compiled': compiled,
-                         'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
-                         'images': sampling.num, 'img_per_s': sampling.num / statistics.median(kept),
-                         'seconds': kept})
-            print(f"{name} ({n} calls) batch {batch}{' compiled' if compiled else ''}: "
-                  f"{rows[-1]['img_per_s']:.1f} img/s", flush=True)
-        write()
+            if repeat:  # the rows so far after every round: a stop keeps the rounds that finished
+                rows[before:] = [speed_row(name, n, batch, sampling, compiled, guidance, kept)
+                                 for (name, n, batch, (_, _, sampling, _, _)), kept in zip(cases, times)]
+                write()
+        for row in rows[before:]:
+            print(f"{row['model']} ({row['calls']} calls) batch {row['batch']}{' compiled' if compiled else ''}: "
+                  f"{row['img_per_s']:.1f} img/s", flush=True)
+
+
+def speed_row(name: str, calls: int, batch: int, sampling: Sampling, compiled: bool, guidance, seconds: list) -> dict:
+    """One img/s row: the median of its timed runs (`seconds`, as many as the rounds that finished)."""
+    return {'model': name, 'sampler': sampling.sampler, 'calls': calls, 'batch': batch, 'compiled': compiled,
+            'evaluations': calls * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+            'images': sampling.num, 'img_per_s': sampling.num / statistics.median(seconds), 'seconds': list(seconds)}
 
 
 # ----------------------------------------------------------------------------- the study
@@ -313,7 +319,9 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
 def study(args: StudyConfig):
     check_ranges(args)
     calls, seeds = int_list(args.calls, '--calls'), parse_seeds(args.seeds)
-    int_list(args.speed_calls, '--speed-calls')  # refused here, before any model is loaded
+    speed_calls = int_list(args.speed_calls, '--speed-calls')  # refused here, before any model is loaded
+    if len(set(speed_calls)) < len(speed_calls):
+        raise ConfigError(f'--speed-calls {args.speed_calls}: each count once')
     mids = int_list(args.mid_timesteps, '--mid-timesteps') if args.mid_timesteps else []
     if any(not 0 <= mid <= 998 for mid in mids):
         raise ConfigError(f'--mid-timesteps {args.mid_timesteps}: each a timestep in 0..998')
@@ -342,6 +350,11 @@ def study(args: StudyConfig):
         if size != teacher_size:
             raise ConfigError(f'--cond-teacher {args.cond_teacher}: {size}x{size} digits, --teacher {args.teacher} '
                               f'{teacher_size}x{teacher_size}; one judge scores both: train them at one size')
+    for flag_name, counts in (('--calls', calls), ('--speed-calls', speed_calls)):
+        most = min(family['teacher'][2].num_steps for family in families.values())
+        if max(counts) > most:
+            raise ConfigError(f'{flag_name} {",".join(map(str, counts))}: the teacher has {most} timesteps, '
+                              f'so at most {most} calls')
     guidance = study_guidance(args.guidance, families)
     judge = None if args.quick else evaluation.DigitsJudge(families['unconditional']['teacher'][1].image_size,
                                                            args.data_dir)

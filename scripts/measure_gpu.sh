@@ -37,7 +37,7 @@
 #             compiled with CUDA graphs (reduce-overhead); from $FEW_STEP_DIR (runs/gpu-few-step unless
 #             set: teacher-uncond.pt and uncond/, optionally teacher-cond.pt and cond/; results/NOTES.md
 #             packs it), carried with the working tree
-#   all       every part above in turn (the --quick test runs this)
+#   all       every part above in turn (fewstep's models packed first)
 #
 # The GPU image lacks diffusers, torchinfo and torch-fidelity: they travel as pure-Python wheels
 # in .whl/ (git-ignored), pinned to the versions below and checked before anything runs:
@@ -74,6 +74,12 @@ if [ "$quick" = "--quick" ]; then
 fi
 [[ "$limit" =~ ^[1-9][0-9]*$ ]] && (( limit >= 3 )) || {
   echo "error: PART_LIMIT must be whole seconds, at least 3, not '$limit'" >&2; exit 2; }
+few_step_dir=${FEW_STEP_DIR:-runs/gpu-few-step}  # fewstep's models, checked before anything is written
+if [ "$part" = fewstep ] || [ "$part" = all ]; then
+  [ -f "$few_step_dir/teacher-uncond.pt" ] && [ -d "$few_step_dir/uncond" ] || {
+    echo "error: $few_step_dir lacks teacher-uncond.pt and uncond/ (the digits teacher and its students:" \
+         "results/NOTES.md packs them; FEW_STEP_DIR names another folder)" >&2; exit 2; }
+fi
 
 if [ "$quick" = "--quick" ]; then
   common=(--device cpu --quick --data-dir "$scratch/data")
@@ -201,12 +207,11 @@ run_part() {
     loaders)  bench loaders loaders --loader-only ;;
     sweep)    bench sweep sweep --sweep batch --sweep-values "$sweep_values" --iters 20 ;;
     small)    preset=$small_preset bench small small --rows "$small_rows" --no-peer --no-sampling ;;
-    fewstep)  local dir=${FEW_STEP_DIR:-runs/gpu-few-step} log=$out/fewstep.log family=() status mode
-              [ -f "$dir/teacher-uncond.pt" ] && [ -d "$dir/uncond" ] || {
-                echo "error: $dir lacks teacher-uncond.pt and uncond/ (the digits teacher and its students:" \
-                     "results/NOTES.md packs them; FEW_STEP_DIR names another folder)" | tee -a "$log" >&2; exit 2; }
+    fewstep)  local dir=$few_step_dir log=$out/fewstep.log family=() status mode
               if [ -f "$dir/teacher-cond.pt" ] && [ -d "$dir/cond" ]; then
                 family=(--cond-teacher "$dir/teacher-cond.pt" --cond-students "$dir/cond")
+              else
+                echo "the guided family is skipped: $dir lacks teacher-cond.pt or cond/" | tee -a "$log"
               fi
               for mode in "${fewstep_modes[@]}"; do  # each mode its share of the limit; a cut keeps the
                 status=0                               # families finished (the JSON is written after each)

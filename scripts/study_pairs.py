@@ -16,6 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from few_step_study import SCORE, paired_ratio, summarise  # noqa: E402
 
+import distill  # noqa: E402
 import students  # noqa: E402
 from cli import ConfigError, check_plain_name, flag, parse_config, run_main  # noqa: E402
 from files import check_creatable, check_writable  # noqa: E402
@@ -25,8 +26,7 @@ from reports import markdown_table, provenance, write_report  # noqa: E402
 SETTINGS = ('lr', 'level_mean', 'level_std', 'ode_step', 'ema_decay', 'dropout', 'huber_c', 'steps_per_stage',
             'stages', 'first_stage_steps', 'prediction', 'batch_size', 'seed')
 # The settings that one method alone reads (blank for the other's students, whatever their config holds).
-METHOD_OF = {'level_mean': 'consistency', 'level_std': 'consistency', 'ode_step': 'consistency',
-             'huber_c': 'consistency', 'stages': 'consistency', 'first_stage_steps': 'progressive'}
+METHOD_OF = {key: method for method, keys in distill.METHOD_FLAGS.items() for key in keys}
 # What a student made before a setting had its flag ran at (distill.py's constants then).
 BEFORE_ITS_FLAG = {'level_mean': students.ECT_P_MEAN, 'level_std': students.ECT_P_STD}
 
@@ -60,8 +60,11 @@ def read_arm(path: str, family: str) -> dict:
 def settings_of(config: dict) -> dict:
     """The SETTINGS of a student's distill.py config that its method reads ('' for the others)."""
     method = config.get('method', 'progressive')
-    return {key: config.get(key, BEFORE_ITS_FLAG.get(key)) if METHOD_OF.get(key, method) == method else ''
-            for key in SETTINGS}
+    settings = {key: config.get(key, BEFORE_ITS_FLAG.get(key)) if METHOD_OF.get(key, method) == method else ''
+                for key in SETTINGS}
+    if method == 'progressive' and settings['first_stage_steps'] is None:  # before its flag: as long as the rest
+        settings['first_stage_steps'] = settings['steps_per_stage']
+    return settings
 
 
 def check(cfg: PairsConfig) -> list:

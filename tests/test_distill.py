@@ -511,8 +511,16 @@ def test_the_studys_timed_runs_take_turns_so_a_drifting_machine_moves_every_row_
     timed = json.load(open(tmp_path / 'q' / 'cpu-digits-few-step.json'))['speed']['unconditional']
     assert [(r['calls'], r['batch'], len(r['seconds'])) for r in timed] == [row + (2,) for row in rows]
     assert [r['sampler'] for r in timed] == ['dpm++'] * 2 + ['student'] * 4
-    assert few_step_study.main(['--teacher', teachers['uncond'], '--quick', '--speed-calls', '4,0', '--device', 'cpu',
-                                '--out-dir', str(tmp_path / 'bad')]) == 2 and not (tmp_path / 'bad').exists()
+    for bad in ('4,0', '4,4', '1001'):  # the last one past the teacher's 1000 timesteps, known once it is loaded
+        assert few_step_study.main(['--teacher', teachers['uncond'], '--quick', '--speed-calls', bad, '--device',
+                                    'cpu', '--out-dir', str(tmp_path / 'bad')]) == 2 and not (tmp_path / 'bad').exists()
+    # A stop in the third round (the second timed one) keeps every row with the one round that finished.
+    monkeypatch.setattr(few_step_study, 'draw_batch', signal_on_call(recording, 2 * len(rows) + 2))
+    assert few_step_study.main(['--teacher', teachers['uncond'], '--students', str(whole), '--device', 'cpu',
+                                '--quick', '--speed-batch', '2', '--speed-repeats', '2', '--latency-images', '1',
+                                '--out-dir', str(tmp_path / 's')]) == 0
+    stopped = json.load(open(tmp_path / 's' / 'cpu-digits-few-step.json'))['speed']['unconditional']
+    assert [(r['calls'], r['batch'], len(r['seconds'])) for r in stopped] == [row + (1,) for row in rows]
 
 
 def test_the_gpu_scripts_few_step_part_times_the_carried_teacher_and_students(teachers, whole, tmp_path):
@@ -540,6 +548,8 @@ def test_the_gpu_scripts_few_step_part_times_the_carried_teacher_and_students(te
     refused = subprocess.run(['bash', 'scripts/measure_gpu.sh', 'fewstep', str(tmp_path / 'out2'), '--quick'],
                              cwd=root, env=env, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and 'lacks teacher-uncond.pt' in refused.stderr
+    assert not (tmp_path / 'out2').exists()  # refused before anything is written
+    assert 'the guided family is skipped' in (tmp_path / 'out' / 'fewstep.log').read_text()  # no cond/ packed
 
 
 def teacher_rows(solver, calls, fds):

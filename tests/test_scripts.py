@@ -392,6 +392,10 @@ def test_study_pairs_shows_each_student_the_settings_its_method_reads():
     assert consistency['first_stage_steps'] == '' and progressive['first_stage_steps'] == 1000
     assert progressive['lr'] == consistency['lr'] == 4e-4
     assert all(progressive[key] == '' for key in ('level_mean', 'level_std', 'ode_step', 'huber_c', 'stages'))
+    assert progressive['dropout'] == '' and study_pairs.settings_of({'dropout': 0.1, 'method': 'consistency'})[
+        'dropout'] == 0.1  # progressive distillation keeps the teacher's dropout: not a setting of its own
+    before = study_pairs.settings_of({'method': 'progressive', 'steps_per_stage': 1000, 'first_stage_steps': None})
+    assert before['first_stage_steps'] == 1000  # made before --first-stage-steps: its first stage as long as the rest
     old = study_pairs.settings_of({'lr': 2e-4, 'method': 'consistency'})  # made before --level-mean had its flag
     assert (old['level_mean'], old['level_std']) == (study_pairs.students.ECT_P_MEAN, study_pairs.students.ECT_P_STD)
 
