@@ -307,6 +307,15 @@ def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows
                   f"{row['img_per_s']:.1f} img/s", flush=True)
 
 
+def speed_ratio(row: dict, rows: list) -> str:
+    """A row's img/s over the teacher's with the most calls at the same batch and compile ('' for that row or
+    without it): the ratio of the targets (a 2-call student against the 20-call solver)."""
+    teacher = [r for r in rows if r['model'] == 'teacher' and r['batch'] == row['batch']
+               and r['compiled'] == row['compiled']]
+    top = max(teacher, key=lambda r: r['calls'], default=None)
+    return '' if top is None or top is row else f"{row['img_per_s'] / top['img_per_s']:.1f}x"
+
+
 def speed_row(name: str, calls: int, batch: int, sampling: Sampling, compiled: bool, guidance, seconds: list) -> dict:
     """One img/s row: the median of its timed runs (`seconds`, as many as the rounds that finished)."""
     return {'model': name, 'sampler': sampling.sampler, 'calls': calls, 'batch': batch, 'compiled': compiled,
@@ -322,6 +331,8 @@ def study(args: StudyConfig):
     speed_calls = int_list(args.speed_calls, '--speed-calls')  # refused here, before any model is loaded
     if len(set(speed_calls)) < len(speed_calls):
         raise ConfigError(f'--speed-calls {args.speed_calls}: each count once')
+    if args.compile_mode != 'default' and not args.compile:
+        raise ConfigError(f'--compile-mode {args.compile_mode} times compiled networks: add --compile')
     mids = int_list(args.mid_timesteps, '--mid-timesteps') if args.mid_timesteps else []
     if any(not 0 <= mid <= 998 for mid in mids):
         raise ConfigError(f'--mid-timesteps {args.mid_timesteps}: each a timestep in 0..998')
@@ -466,14 +477,14 @@ def report(args: StudyConfig, stem: str, result: dict, judge):
              ([f"{s['accuracy_mean']:.1%}"] if name == 'guided' else []) for s in summary], left=2))
     for name, rows in result['speed'].items():
         tables.append(f'### images per second, {name}\n\n' + markdown_table(
-            ['model', 'calls', 'network evaluations', 'batch', 'compiled', 'img/s'],
+            ['model', 'calls', 'network evaluations', 'batch', 'compiled', 'img/s', 'x the teacher\'s most calls'],
             [[r['model'], r['calls'], r['evaluations'], r['batch'], 'yes' if r['compiled'] else 'no',
-              f"{r['img_per_s']:.1f}"] for r in rows]))
+              f"{r['img_per_s']:.1f}", speed_ratio(r, rows)] for r in rows]))
     floor = (f'; the digits score is the class FD (lower is better); its floor (450 held-out digits): '
              f'{judge.floor[SCORE]:.1f}' if judge else '')
+    notes = f'; {args.num} samples per score, seeds {args.seeds}{floor}' if result['scores'] else '; img/s alone'
     path = write_report(args.out_dir, stem, result, 'The teacher\'s solvers and its few-step students',
-                        '\n\n'.join(tables) or '(no rows yet)',
-                        notes=f'; {args.num} samples per score, seeds {args.seeds}{floor}')
+                        '\n\n'.join(tables) or '(no rows yet)', notes=notes)
     scored = sum(len(rows) for rows in result['scores'].values())
     if scored and scored != result.get('plotted'):
         plot(result['summary'], judge, path)

@@ -511,6 +511,13 @@ def test_the_studys_timed_runs_take_turns_so_a_drifting_machine_moves_every_row_
     timed = json.load(open(tmp_path / 'q' / 'cpu-digits-few-step.json'))['speed']['unconditional']
     assert [(r['calls'], r['batch'], len(r['seconds'])) for r in timed] == [row + (2,) for row in rows]
     assert [r['sampler'] for r in timed] == ['dpm++'] * 2 + ['student'] * 4
+    report = (tmp_path / 'q' / 'cpu-digits-few-step.md').read_text()  # each row over the teacher's at its batch
+    teacher_2 = next(r for r in timed if r['model'] == 'teacher' and r['batch'] == 2)
+    student_2 = next(r for r in timed if r['model'] == 'student-1' and r['batch'] == 2)
+    assert f"| {student_2['img_per_s']:.1f} | {student_2['img_per_s'] / teacher_2['img_per_s']:.1f}x |" in report
+    assert f"| {teacher_2['img_per_s']:.1f} |  |" in report and 'img/s alone' in report
+    assert few_step_study.main(['--teacher', teachers['uncond'], '--quick', '--compile-mode', 'reduce-overhead',
+                                '--device', 'cpu', '--out-dir', str(tmp_path / 'bad')]) == 2  # without --compile
     for bad in ('4,0', '4,4', '1001'):  # the last one past the teacher's 1000 timesteps, known once it is loaded
         assert few_step_study.main(['--teacher', teachers['uncond'], '--quick', '--speed-calls', bad, '--device',
                                     'cpu', '--out-dir', str(tmp_path / 'bad')]) == 2 and not (tmp_path / 'bad').exists()
