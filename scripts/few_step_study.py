@@ -201,7 +201,7 @@ def score_rows(args, family: dict, judge, guidance, seeds: list, calls: list, so
                 images = torch.cat(list(draw(net, net_config, net_sched, sampling, device, progress=False,
                                              prediction=net_prediction)))
             row = {'model': name, 'sampler': solver, 'calls': n, 'seed': seed,
-                   'evaluations': n * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+                   'evaluations': evaluations(name, n, guidance),
                    **judge.score(judge.features(images)), **judge.memorisation(images)}
             if config.num_classes:
                 row['accuracy'] = judge.conditioning(images, asked)['accuracy']
@@ -271,12 +271,12 @@ def t_quantile(dof: int) -> float:
 
 # ----------------------------------------------------------------------------- speed
 
-def speed_rows(args, family: dict, guidance, device, stop: StopFlag, write, rows: list):
+def speed_rows(args, speed_calls: tuple, family: dict, guidance, device, stop: StopFlag, write, rows: list):
     """img/s of DPM-Solver++ at --speed-calls (guided: both halves each) and of each student, at batch 1 (latency:
     --latency-images one at a time) and at --speed-batch (throughput), eager and with --compile compiled; the median
     of --speed-repeats timed runs after an untimed one. The runs are interleaved, one of every row a round, so a
     machine that speeds up or slows down moves every row of a ratio alike."""
-    candidates = [('teacher', 'dpm++', n, family['teacher'], {}) for n in int_list(args.speed_calls, '--speed-calls')]
+    candidates = [('teacher', 'dpm++', n, family['teacher'], {}) for n in speed_calls]
     candidates += student_runs(family)
     for compiled in (False, True) if args.compile else (False,):
         cases = []
@@ -316,10 +316,15 @@ def speed_ratio(row: dict, rows: list) -> str:
     return '' if top is None or top is row else f"{row['img_per_s'] / top['img_per_s']:.1f}x"
 
 
+def evaluations(name: str, calls: int, guidance) -> int:
+    """Network evaluations of a draw: a guided teacher runs both halves at each call, a student one pass."""
+    return calls * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1)
+
+
 def speed_row(name: str, calls: int, batch: int, sampling: Sampling, compiled: bool, guidance, seconds: list) -> dict:
     """One img/s row: the median of its timed runs (`seconds`, as many as the rounds that finished)."""
     return {'model': name, 'sampler': sampling.sampler, 'calls': calls, 'batch': batch, 'compiled': compiled,
-            'evaluations': calls * (2 if name == 'teacher' and guidance not in (None, 0, 1) else 1),
+            'evaluations': evaluations(name, calls, guidance),
             'images': sampling.num, 'img_per_s': sampling.num / statistics.median(seconds), 'seconds': list(seconds)}
 
 
@@ -361,8 +366,8 @@ def study(args: StudyConfig):
         if size != teacher_size:
             raise ConfigError(f'--cond-teacher {args.cond_teacher}: {size}x{size} digits, --teacher {args.teacher} '
                               f'{teacher_size}x{teacher_size}; one judge scores both: train them at one size')
+    most = min(family['teacher'][2].num_steps for family in families.values())
     for flag_name, counts in (('--calls', calls), ('--speed-calls', speed_calls)):
-        most = min(family['teacher'][2].num_steps for family in families.values())
         if max(counts) > most:
             raise ConfigError(f'{flag_name} {",".join(map(str, counts))}: the teacher has {most} timesteps, '
                               f'so at most {most} calls')
@@ -398,7 +403,8 @@ def study(args: StudyConfig):
                 score_rows(args, family, judge, scale, seeds, calls, solvers, device, stop, write,
                            result['scores'].setdefault(name, []))
             if args.speed and family['students']:
-                speed_rows(args, family, scale, device, stop, write, result['speed'].setdefault(name, []))
+                speed_rows(args, speed_calls, family, scale, device, stop, write,
+                           result['speed'].setdefault(name, []))
     except StopRequested:
         print(f'stopped by {stop.reason}: {args.out_dir}/{stem}.* hold the rows that finished', flush=True)
     finally:

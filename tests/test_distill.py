@@ -647,6 +647,8 @@ def test_the_study_writes_under_runs_unless_told_and_labels_a_guided_family(teac
     assert sorted(p.name for p in tmp_path.iterdir()) == ['runs']
     result = json.load(open(tmp_path / 'runs' / 'few-step' / 'cpu-digits-few-step.json'))
     assert list(result['scores']) == ['guided']  # --only guided: the unconditional teacher sets the size alone
+    assert {(r['model'], r['calls'], r['evaluations']) for r in result['scores']['guided']} == {
+        ('teacher', 1, 2), ('student-1', 1, 1)}  # the guided teacher runs both halves each call, its student one pass
     assert result['guidance'] == 1.5 and 'guidance 1.5' in (tmp_path / 'runs' / 'few-step' /
                                                              'cpu-digits-few-step.md').read_text()
 
